@@ -1,0 +1,71 @@
+"""Trains the character-level GPT data-parallel on real text; DeadPool keeps it running through failures.
+
+Run it with `deadpool run --workers 4 --spares 1 examples/gpt/train.py`. Compared with a plain DDP
+script, the lines marked `# DeadPool` are the whole change.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import deadpool  # DeadPool
+from data import BatchSampler, CharTokenizer, load_text, make_batch
+from model import GPT, GPTConfig
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--data", default=None, help="a UTF-8 text file (default: the Python docs' topics)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--log-samples", action="store_true", help="record each step's sample ids in the events")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    session = deadpool.init()  # DeadPool: instead of dist.init_process_group("gloo")
+
+    text = load_text(args.data)
+    tokenizer = CharTokenizer(text)
+    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    model = session.wrap(GPT(config))  # DeadPool: instead of DistributedDataParallel(GPT(config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    sampler = BatchSampler(num_tokens=len(tokens), block_size=args.block_size, batch_size=args.batch_size,
+                           rank=session.rank, world_size=session.world_size, seed=args.seed)
+    session.register(model=model, optimizer=optimizer, data=sampler)  # DeadPool
+    if session.rank == 0 and session.step == 0:
+        print(f"GPT with {model.module.num_parameters():,} parameters on {len(tokens):,} characters, "
+              f"{session.world_size} ranks x {args.batch_size} sequences of {args.block_size}", flush=True)
+
+    def train_step(step: int) -> torch.Tensor:  # DeadPool: was `for step in range(1, args.steps + 1):`
+        sample_ids = sampler.next_batch()
+        x, y = make_batch(tokens, sample_ids, args.block_size)
+        _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if args.log_samples:
+            session.log("batch", step=step, samples=sample_ids)
+        if session.rank == 0 and step % args.log_every == 0:
+            print(f"step {step:4d} | loss {loss.item():.4f}", flush=True)
+        return loss
+
+    session.run(train_step, steps=args.steps)  # DeadPool
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""One frozen job configuration: validated once, written as JSON into the run directory, read by every process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deadpool.errors import ConfigError
+
+FAULT_KINDS = ("kill", "corrupt_replica")
+FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate")
+BACKLOG_POLICIES = ("wait", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One injected fault: `kind` hits `rank` in `phase` of `step`, once per job.
+
+    `kill` SIGKILLs the process running that rank; `corrupt_replica` flips a byte of the
+    replica of that rank's snapshot `step` in its holder's memory (phase is ignored).
+    """
+
+    kind: str
+    rank: int
+    step: int
+    phase: str = "backward"
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ConfigError(f"fault kind {self.kind!r} is not one of {FAULT_KINDS}")
+        if self.phase not in FAULT_PHASES:
+            raise ConfigError(f"fault phase {self.phase!r} is not one of {FAULT_PHASES}")
+        if self.rank < 0 or self.step < 1:
+            raise ConfigError(f"fault needs rank >= 0 and step >= 1, got rank={self.rank} step={self.step}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """Everything a DeadPool job needs to know; process identity travels separately in the environment.
+
+    snapshot_every: 0 turns snapshots off, K snapshots after every K-th step, "auto" measures the
+    snapshot cost and picks the densest interval whose cost stays within `snapshot_budget` of a step.
+    """
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    workers: int
+    spares: int = 0
+    run_dir: str
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    token: str = ""
+    backend: str = "auto"
+    snapshot_every: int | str = 1
+    snapshot_budget: float = 0.01
+    backlog_policy: str = "wait"
+    poll_interval_s: float = 0.02
+    decision_timeout_s: float = 10.0
+    recovery_timeout_s: float = 30.0
+    collective_timeout_s: float = 60.0
+    connect_timeout_s: float = 60.0
+    faults: tuple[Fault, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if self.spares < 0:
+            raise ConfigError(f"--spares must be 0 or more, got {self.spares}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        every = self.snapshot_every
+        if not (every == "auto" or (isinstance(every, int) and not isinstance(every, bool) and every >= 0)):
+            raise ConfigError(f"--snapshot-every must be a step count >= 0 (0 = off) or 'auto', got {every!r}")
+        if not 0.0 < self.snapshot_budget < 1.0:
+            raise ConfigError(f"--snapshot-budget is a fraction of step time in (0, 1), got {self.snapshot_budget}")
+        if self.backlog_policy not in BACKLOG_POLICIES:
+            raise ConfigError(f"--backlog-policy must be one of {BACKLOG_POLICIES}, got {self.backlog_policy!r}")
+        # Each deadline must leave room for the one it waits on.
+        chain = [("poll-interval", self.poll_interval_s), ("decision-timeout", self.decision_timeout_s),
+                 ("recovery-timeout", self.recovery_timeout_s), ("collective-timeout", self.collective_timeout_s)]
+        for (a, va), (b, vb) in zip(chain, chain[1:]):
+            if not 0 < va < vb:
+                raise ConfigError(f"timeouts must satisfy 0 < {a} < {b}, got {a}={va}s {b}={vb}s")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"connect timeout must be positive, got {self.connect_timeout_s}")
+        for fault in self.faults:
+            if fault.rank >= self.workers:
+                raise ConfigError(f"fault targets rank {fault.rank} but the job has ranks 0..{self.workers - 1}")
+
+    @property
+    def world_size(self) -> int:
+        return self.workers
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobConfig":
+        raw = json.loads(text)
+        raw["script_args"] = tuple(raw["script_args"])
+        raw["faults"] = tuple(Fault(**f) for f in raw["faults"])
+        return cls(**raw)
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.to_json())
+
+    @classmethod
+    def read(cls, path: Path) -> "JobConfig":
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,1 @@
+"""The coordinator: membership, failure decisions and the rank -> process map (never imports torch)."""

@@ -1,0 +1,25 @@
+"""The small error taxonomy every DeadPool failure is reported with."""
+
+
+class DeadPoolError(Exception):
+    """Base class: anything DeadPool raises on purpose."""
+
+
+class ConfigError(DeadPoolError, ValueError):
+    """The user's configuration or input is invalid; nothing was started."""
+
+
+class WorkerFailure(DeadPoolError):
+    """A worker process died or its collective failed, and the job could not continue."""
+
+
+class ProtocolError(DeadPoolError):
+    """A message broke the protocol: wrong token, stale generation, bad header."""
+
+
+class ReplicaLost(DeadPoolError):
+    """No committed generation is held intact by every participant of a recovery."""
+
+
+class SwapAborted(DeadPoolError):
+    """A recovery did not finish within its deadline, or no spare was left to take over."""

@@ -1,0 +1,1 @@
+"""Declarative fault injection: a plan of real faults (SIGKILL, corrupted replicas) keyed by rank, step, phase."""

@@ -1,0 +1,48 @@
+"""Fires the job's planned faults at exact points of exact steps, each at most once per job."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from deadpool.config import Fault
+from deadpool.coordinator.protocol import Keys
+from deadpool.events import EventLog
+
+
+class FaultInjector:
+    """Checks the fault plan at each hook point; the store makes each fault fire once even if the
+    rank it targets is replayed by a spare."""
+
+    def __init__(self, faults: tuple[Fault, ...], store: object, keys: Keys, events: EventLog) -> None:
+        self.faults = faults
+        self.store = store
+        self.keys = keys
+        self.events = events
+        self.rank: int | None = None
+
+    def _claim(self, kind: str, rank: int | None, step: int, phase: str | None) -> Fault | None:
+        for index, fault in enumerate(self.faults):
+            if (fault.kind == kind and fault.rank == rank and fault.step == step
+                    and (phase is None or fault.phase == phase)
+                    and self.store.add(self.keys.fault_fired(index), 1) == 1):
+                return fault
+        return None
+
+    def kill_point(self, phase: str, step: int) -> None:
+        """SIGKILLs this process if the plan says so: a real, uncatchable death at this exact point."""
+        if not self.faults or self.rank is None:
+            return
+        fault = self._claim("kill", self.rank, step, phase)
+        if fault is not None:
+            self.events.emit("fault_injected", kind="kill", target_rank=self.rank, step=step, phase=phase)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def should_corrupt(self, rank: int, step: int) -> bool:
+        """True once for the planned (rank, step): the holder then flips a byte of that replica."""
+        if not self.faults:
+            return False
+        fault = self._claim("corrupt_replica", rank, step, None)
+        if fault is not None:
+            self.events.emit("fault_injected", kind="corrupt_replica", target_rank=rank, step=step)
+        return fault is not None

@@ -1,0 +1,101 @@
+"""The agent of one node: starts that node's workers and spares, relays their output, reports exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from deadpool.config import JobConfig
+from deadpool.runtime.context import ENV_CONFIG, ENV_PROC, ENV_ROLE
+
+_print_lock = threading.Lock()
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    popen: subprocess.Popen
+    label: str
+    pump: threading.Thread | None = None
+    returncode: int | None = None
+    reported: bool = field(default=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+class Agent:
+    """Runs the training script once per process, each line of its output prefixed with who said it."""
+
+    def __init__(self, config: JobConfig, config_path: Path, echo: TextIO | None = sys.stdout) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.echo = echo
+        self.children: dict[str, Child] = {}
+        self.log_dir = Path(config.run_dir) / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, role: str) -> Child:
+        env = {**os.environ, ENV_CONFIG: str(self.config_path), ENV_PROC: name, ENV_ROLE: role,
+               "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host must not oversubscribe
+        popen = subprocess.Popen([sys.executable, "-u", self.config.script, *self.config.script_args], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 text=True, errors="replace")
+        child = Child(name, role, popen, label=name)
+        child.pump = threading.Thread(target=self._pump, args=(child,), name=f"pump-{name}", daemon=True)
+        child.pump.start()
+        self.children[name] = child
+        return child
+
+    def _pump(self, child: Child) -> None:
+        with open(self.log_dir / f"{child.name}.log", "w") as log:
+            for line in child.popen.stdout:
+                log.write(line)
+                log.flush()
+                if self.echo is not None:
+                    with _print_lock:
+                        self.echo.write(f"[{child.label}] {line}")
+                        self.echo.flush()
+
+    def poll(self) -> list[Child]:
+        """Children that exited since the last call."""
+        exited = []
+        for child in self.children.values():
+            if child.returncode is None and child.popen.poll() is not None:
+                child.returncode = child.popen.returncode
+                exited.append(child)
+        return exited
+
+    def alive(self) -> set[str]:
+        return {name for name, c in self.children.items() if c.returncode is None and c.popen.poll() is None}
+
+    def fence(self, name: str) -> None:
+        """Kills a process for good (SIGKILL cannot be caught or ignored)."""
+        child = self.children[name]
+        if child.popen.poll() is None:
+            child.popen.send_signal(signal.SIGKILL)
+
+    def stop_all(self, grace_s: float) -> None:
+        """Waits up to `grace_s` for children to leave by themselves, then kills the rest; drains output."""
+        deadline = time.monotonic() + grace_s
+        for child in self.children.values():
+            try:
+                child.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.fence(child.name)
+        for child in self.children.values():
+            child.popen.wait(5.0)
+            if child.returncode is None:
+                child.returncode = child.popen.returncode
+            if child.pump is not None:
+                child.pump.join(5.0)

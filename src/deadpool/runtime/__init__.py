@@ -1,0 +1,1 @@
+"""The runtime inside every worker and spare: session, snapshots, replicas and process groups."""

@@ -1,0 +1,158 @@
+"""Process groups per generation, and the data-parallel wrapper that is rebuilt on each new group."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import sys
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from deadpool.errors import ProtocolError
+
+
+def pick_backend(requested: str) -> tuple[str, torch.device]:
+    """NCCL and the rank's GPU when there is one, else gloo on the CPU."""
+    use_cuda = requested == "nccl" or (requested == "auto" and torch.cuda.is_available())
+    return ("nccl", torch.device("cuda")) if use_cuda else ("gloo", torch.device("cpu"))
+
+
+class CollectiveAborted(RuntimeError):
+    """A collective was abandoned because the coordinator aborted its generation."""
+
+
+def finish(work: dist.Work, interrupted: Callable[[], bool]) -> None:
+    """Waits for a collective, but gives it up as soon as `interrupted()` says the generation is over.
+
+    A peer that died is noticed by gloo at once only by the ranks connected to it in the current
+    algorithm step; the others would wait for the full collective timeout. The coordinator's abort
+    releases them within a poll interval. The abandoned operation is never touched again.
+    """
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    while not done.wait(0.02):
+        if interrupted():
+            raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
+    work.wait()
+
+
+def guard_exit() -> None:
+    """Makes this process end with os._exit once it has left a group behind in a failure.
+
+    A gloo group whose operation was abandoned (or that saw a peer die) aborts the whole process
+    (std::terminate on a gloo::IoException) when it is destroyed at interpreter exit. So after a
+    recovery the process skips those destructors: stdio is flushed and the exit code kept (1 if an
+    exception escaped the script, else 0; a SystemExit code is not seen here and becomes 0).
+    """
+    global _exit_guarded
+    if _exit_guarded:
+        return
+    _exit_guarded = True
+    crashed = []
+    previous_hook = sys.excepthook
+
+    def excepthook(*info: Any) -> None:
+        crashed.append(True)
+        previous_hook(*info)
+
+    def leave() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if crashed else 0)
+
+    sys.excepthook = excepthook
+    atexit.register(leave)
+
+
+_exit_guarded = False
+
+
+def join_group(store: dist.Store, prefix: str, backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Makes this process rank `rank` of a fresh default group; the prefix keeps generations apart."""
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def leave_group() -> None:
+    """Drops the default group (and aborts it first on NCCL, where that cancels in-flight work).
+
+    For gloo this does not reliably close the group's sockets at once (measured on torch 2.13: after
+    a failed step they stayed open), so peers blocked on this process are released by the
+    coordinator's abort instead (see finish), not by a broken connection.
+    """
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    if dist.get_backend(group) == "nccl":
+        group.abort()  # NCCL can abort in-flight collectives; gloo cannot
+    dist.destroy_process_group()
+    del group
+    gc.collect()
+
+
+class DataParallel(torch.nn.Module):
+    """Data parallelism that survives a change of process group: what DistributedDataParallel does
+    for the user (start from rank 0's weights, average gradients when backward ends), without it.
+
+    torch's DDP keeps its process group alive after the DDP object is deleted (its sockets stay
+    open), so a survivor blocked on a dead group would not be released by its peers; its bucket
+    rebuild also changes the reduction layout after the first step, so a fresh DDP would not
+    reproduce a replayed step bit for bit. Here the layout is the parameter order, always.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.attached = False
+        self.interrupted: Callable[[], bool] = lambda: False  # set by the session
+        self._queued = False
+        for p in self._params():
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def attach(self, sync: bool) -> None:
+        """Starts averaging over the current default group; `sync` first copies rank 0's weights and
+        buffers everywhere (job start only: after a recovery every rank restored the same state)."""
+        self.attached = True
+        if sync:
+            for t in (*self.module.parameters(), *self.module.buffers()):
+                finish(dist.broadcast(t.data, src=0, async_op=True), self.interrupted)
+
+    def detach(self) -> None:
+        self.attached = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.attached:
+            raise ProtocolError("the model was used outside session.run(): DeadPool attaches it to the process group")
+        return self.module(*args, **kwargs)
+
+    def _on_grad(self, _param: torch.Tensor) -> None:
+        # The first gradient of a backward pass queues one averaging step for when the pass ends.
+        if self.attached and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
+
+    def _average_gradients(self) -> None:
+        """One all-reduce per dtype over the gradients flattened in parameter order (a missing one counts as zero)."""
+        self._queued = False
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in self._params():
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            finish(dist.all_reduce(flat, async_op=True), self.interrupted)
+            flat.div_(dist.get_world_size())
+            offset = 0
+            for p, g in zip(params, grads):
+                p.grad = flat[offset: offset + g.numel()].view_as(g)
+                offset += g.numel()

@@ -1,0 +1,112 @@
+"""Streams finished snapshots to their holders over two-process gloo groups, straight into the holder's slot.
+
+One group per (rank, holder, generation); the sender is group rank 0, the holder group rank 1.
+
+    sender (worker, rank r)                  holder (spare)
+    store: seq/{n} = step                    ->  wakes (idle waits are on the store: interruptible)
+    header [magic, token, gen, step, meta_len, nbytes, crc]  ->  pick the slot to overwrite
+    meta (JSON bytes)                        ->
+    data                                     ->  received into the slot's own buffer
+                                             <-  ack [step, crc, ok]   (crc recomputed by the holder)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from deadpool.errors import ProtocolError
+from deadpool.runtime.context import wait_for_key
+from deadpool.runtime.slots import Slot, checksum, pick_slot
+
+MAGIC = 0x44504F4F4C  # "DPOOL"
+HEADER = 7
+
+
+def token_id(token: str) -> int:
+    """The job token as a 62-bit integer that fits an int64 header field."""
+    return int.from_bytes(hashlib.sha256(token.encode()).digest()[:8], "little") >> 2
+
+
+def pair_group(store: dist.Store, prefix: str, me: int, timeout_s: float) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, timedelta(seconds=timeout_s))
+
+
+def _wait(work: dist.Work, timeout_s: float) -> None:
+    """A gloo send/recv completes, fails at once if the peer's socket closes, or times out.
+
+    (gloo's point-to-point work reports completion only through wait(), so it cannot be polled.)
+    """
+    work.wait(timedelta(seconds=timeout_s))
+
+
+class ReplicaSender:
+    """A worker's end of one replica stream."""
+
+    def __init__(self, store: dist.Store, prefix: str, token: str, gen: int, timeout_s: float) -> None:
+        self.group = pair_group(store, prefix, 0, timeout_s)
+        self.store, self.prefix, self.sent = store, prefix, 0
+        self.token = token_id(token)
+        self.gen = gen
+        self.timeout_s = timeout_s
+
+    def send(self, slot: Slot, midway: Callable[[], None] = lambda: None) -> None:
+        """Sends one sealed slot and checks the holder's acknowledgement of (step, checksum)."""
+        assert slot.step is not None
+        header = torch.tensor([MAGIC, self.token, self.gen, slot.step, len(slot.meta), slot.nbytes, slot.crc],
+                              dtype=torch.int64)
+        meta = torch.frombuffer(bytearray(slot.meta), dtype=torch.uint8)
+        self.sent += 1
+        self.store.set(f"{self.prefix}seq/{self.sent}", str(slot.step))  # wakes the idle holder
+        for tag, tensor in enumerate((header, meta)):
+            _wait(self.group.send([tensor], 1, tag), self.timeout_s)
+        midway()
+        _wait(self.group.send([slot.data], 1, 2), self.timeout_s)
+        ack = torch.zeros(3, dtype=torch.int64)
+        _wait(self.group.recv([ack], 1, 3), self.timeout_s)
+        step, crc, ok = ack.tolist()
+        if (step, crc, ok) != (slot.step, slot.crc, 1):
+            raise ProtocolError(f"holder rejected snapshot {slot.step}: acked step {step}, crc {crc:#x} "
+                                f"(sent {slot.crc:#x}), ok={ok}")
+
+
+class ReplicaReceiver:
+    """A holder's end of one replica stream: keeps the rank's two newest snapshots in two slots."""
+
+    def __init__(self, store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot],
+                 timeout_s: float) -> None:
+        self.group = pair_group(store, prefix, 1, timeout_s)
+        self.store, self.prefix, self.received = store, prefix, 0
+        self.token = token_id(token)
+        self.gen = gen
+        self.slots = slots
+        self.timeout_s = timeout_s
+
+    def receive_one(self, committed: Callable[[], int | None], stopped: Callable[[], bool]) -> Slot:
+        """Receives the next snapshot into the slot that does not hold the newest committed step."""
+        self.received += 1
+        announced = f"{self.prefix}seq/{self.received}"
+        wait_for_key(self.store, announced, float("inf"), stopped=stopped)  # idle between snapshots is normal
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        _wait(self.group.recv([header], 0, 0), self.timeout_s)
+        magic, token, gen, step, meta_len, nbytes, crc = header.tolist()
+        if magic != MAGIC or token != self.token or gen != self.gen:
+            raise ProtocolError(f"rejected replica header: magic {magic:#x}, token ok={token == self.token}, "
+                                f"generation {gen} (expected {self.gen})")
+        meta = torch.empty(meta_len, dtype=torch.uint8)
+        _wait(self.group.recv([meta], 0, 1), self.timeout_s)
+        slot = pick_slot(self.slots, committed())
+        _wait(self.group.recv([slot.reserve(nbytes)], 0, 2), self.timeout_s)
+        meta_bytes = meta.numpy().tobytes()
+        got = checksum(meta_bytes, slot.data)
+        ok = int(got == crc)
+        if ok:
+            slot.seal(step, meta_bytes, crc)
+        _wait(self.group.send([torch.tensor([step, got, ok], dtype=torch.int64)], 0, 3), self.timeout_s)
+        if not ok:
+            raise ProtocolError(f"replica of snapshot {step} failed its checksum ({got:#x} != {crc:#x})")
+        return slot

@@ -1,0 +1,68 @@
+"""Host-memory slots: one preallocated byte buffer holds one snapshot of one rank, with its checksum."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from deadpool.runtime.state import Layout
+
+
+def checksum(meta: bytes, data: torch.Tensor) -> int:
+    """CRC-32 over the metadata and the data bytes (zlib releases the GIL on large buffers)."""
+    return zlib.crc32(data.numpy(), zlib.crc32(meta))
+
+
+@dataclass
+class Slot:
+    """A byte buffer and what it currently holds; `step` is None while it is empty or being written."""
+
+    pinned: bool = False
+    buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    step: int | None = None
+    meta: bytes = b""
+    nbytes: int = 0
+    crc: int = 0
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """Marks the slot empty and returns its first `nbytes` bytes, growing the buffer only if needed."""
+        self.step = None
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.nbytes = nbytes
+        return self.buffer[:nbytes]
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.buffer[: self.nbytes]
+
+    def seal(self, step: int, meta: bytes, crc: int) -> None:
+        self.meta, self.crc, self.step = meta, crc, step
+
+    def intact(self) -> bool:
+        """Recomputes the checksum: a slot whose bytes changed since it was sealed is never restored from."""
+        return self.step is not None and checksum(self.meta, self.data) == self.crc
+
+    def tensors(self) -> tuple[dict, list[torch.Tensor], list[bool]]:
+        """Private copies of the tensors in this slot, with the skeleton to rebuild the state from."""
+        meta = json.loads(self.meta)
+        layout = Layout.from_json(meta["tensors"], self.nbytes)
+        out = []
+        for dtype, shape, offset, n in layout.specs:
+            raw = self.buffer[offset: offset + n]
+            out.append(raw.view(getattr(torch, dtype)).reshape(shape).clone())
+        return meta["skeleton"], out, meta["numpy"]
+
+
+def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[bool]) -> bytes:
+    return json.dumps({"step": step, "skeleton": skeleton, "tensors": layout.to_json(),
+                       "numpy": numpy_flags, "nbytes": layout.nbytes}).encode()
+
+
+def pick_slot(slots: list[Slot], committed: int | None) -> Slot:
+    """The slot a new snapshot may overwrite: never the one holding the newest committed step."""
+    free = [s for s in slots if s.step is None or s.step != committed]
+    return min(free, key=lambda s: -1 if s.step is None else s.step)

@@ -1,0 +1,133 @@
+"""Turns a tree of Stateful objects into a JSON skeleton plus a flat list of tensors, and back.
+
+The skeleton keeps every non-tensor value (step counters, learning rates, sampler positions) as
+plain JSON, so a snapshot can cross the network without pickle. Tensors are marked *stable* when
+they only change inside an optimizer step (parameters and optimizer state): those may be copied
+in the background while the next forward and backward run. Everything else (buffers, RNG states,
+data positions) is copied at once, at the step boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from deadpool.errors import ConfigError
+
+ALIGN = 64  # every tensor starts on a 64-byte boundary, so byte views can be re-viewed as any dtype
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class Flat:
+    """One rank's state, taken apart: `skeleton` is JSON-ready, `tensors[i]` fills placeholder i."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    stable: list[bool]
+    numpy: list[bool]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor lives inside a slot's byte buffer."""
+
+    specs: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (dtype name, shape, offset, nbytes)
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> "Layout":
+        specs, offset = [], 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            specs.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
+            offset += -(-n // ALIGN) * ALIGN
+        return cls(tuple(specs), offset)
+
+    def to_json(self) -> list:
+        return [list(s) for s in self.specs]
+
+    @classmethod
+    def from_json(cls, raw: list, nbytes: int) -> "Layout":
+        return cls(tuple((d, tuple(shape), off, n) for d, shape, off, n in raw), nbytes)
+
+
+def _state_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, torch.nn.Module):
+        return obj.state_dict(keep_vars=True)  # keep Parameters, so they can be told from buffers
+    return obj.state_dict()
+
+
+def flatten(tree: dict[str, Stateful]) -> Flat:
+    """Takes every registered object's state_dict apart (training thread, at a step boundary)."""
+    flat = Flat(skeleton=None, tensors=[], stable=[], numpy=[])
+
+    def walk(value: Any, stable: bool, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            flat.tensors.append(value.detach())
+            flat.stable.append(stable or isinstance(value, torch.nn.Parameter))
+            flat.numpy.append(False)
+            return {"T": len(flat.tensors) - 1}
+        if isinstance(value, np.ndarray):
+            flat.tensors.append(torch.from_numpy(np.ascontiguousarray(value)).clone())
+            flat.stable.append(False)
+            flat.numpy.append(True)
+            return {"T": len(flat.tensors) - 1}
+        if isinstance(value, dict):
+            return {"d": [[walk(k, stable, path), walk(v, stable, f"{path}.{k}")] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)):
+            return {"l" if isinstance(value, list) else "t": [walk(v, stable, f"{path}[{i}]") for i, v in enumerate(value)]}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (np.integer, np.floating)):
+            return value.item()
+        raise ConfigError(f"cannot snapshot {path}: values of type {type(value).__name__} are not supported "
+                          "(use tensors, numpy arrays, numbers, strings, lists, tuples and dicts)")
+
+    flat.skeleton = {"d": [[name, walk(_state_dict(obj), isinstance(obj, torch.optim.Optimizer), name)]
+                           for name, obj in tree.items()]}
+    return flat
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool]) -> Any:
+    """Rebuilds the state dicts; tensors are used as given, so pass copies that nothing else owns."""
+
+    def walk(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if "T" in node:
+            i = node["T"]
+            return tensors[i].numpy() if numpy_flags[i] else tensors[i]
+        if "d" in node:
+            return {walk(k): walk(v) for k, v in node["d"]}
+        if "l" in node:
+            return [walk(v) for v in node["l"]]
+        return tuple(walk(v) for v in node["t"])
+
+    return walk(skeleton)
+
+
+def load_into(tree: dict[str, Stateful], state: dict[str, Any]) -> None:
+    for name, obj in tree.items():
+        if name not in state:
+            raise ConfigError(f"the snapshot has no entry {name!r}; registered state must match across ranks")
+        obj.load_state_dict(state[name])
+
+
+def state_sha256(tree: dict[str, Stateful]) -> str:
+    """A fingerprint of the whole state (values and structure), equal on two runs only if bit-identical."""
+    flat = flatten(tree)
+    h = hashlib.sha256(json.dumps(flat.skeleton).encode())
+    for t in flat.tensors:
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
