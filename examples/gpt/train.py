@@ -7,7 +7,9 @@ script, the lines marked `# DeadPool` are the whole change.
 from __future__ import annotations
 
 import argparse
+import random
 
+import numpy as np
 import torch
 
 import deadpool  # DeadPool
@@ -34,6 +36,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     session = deadpool.init()  # DeadPool: instead of dist.init_process_group("gloo")
 

@@ -10,6 +10,7 @@ generation) unwinds to that loop, which recovers and goes on:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import statistics
@@ -202,7 +203,9 @@ class Session:
     def _finish(self) -> None:
         self.engine.wait_copied()
         self.engine.stop()
-        self.ctx.events.emit("finished", step=self.step, state_sha256=state_sha256(self._tree))
+        digests = state_sha256(self._tree)
+        whole = hashlib.sha256("".join(digests[k] for k in sorted(digests)).encode()).hexdigest()
+        self.ctx.events.emit("finished", step=self.step, state_sha256=whole, entry_sha256=digests)
         self.watcher.close()
         leave_group()
 

@@ -123,11 +123,14 @@ def load_into(tree: dict[str, Stateful], state: dict[str, Any]) -> None:
         obj.load_state_dict(state[name])
 
 
-def state_sha256(tree: dict[str, Stateful]) -> str:
-    """A fingerprint of the whole state (values and structure), equal on two runs only if bit-identical."""
-    flat = flatten(tree)
-    h = hashlib.sha256(json.dumps(flat.skeleton).encode())
-    for t in flat.tensors:
-        h.update(str(t.dtype).encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+def state_sha256(tree: dict[str, Stateful]) -> dict[str, str]:
+    """Fingerprints of each entry's state (values and structure): equal on two runs only if bit-identical."""
+    digests = {}
+    for name, obj in tree.items():
+        flat = flatten({name: obj})
+        h = hashlib.sha256(json.dumps(flat.skeleton).encode())
+        for t in flat.tensors:
+            h.update(str(t.dtype).encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digests[name] = h.hexdigest()
+    return digests
