@@ -128,6 +128,7 @@ class Coordinator:
                   + ", ".join(f"{s} is now rank {r}" for r, s in swap.replaced.items())
                   + f" ({took:.2f} s after detection)")
         self.phase, self.deadline = Phase.STEADY, float("inf")
+        self.root_cause = None  # recovered: a later failure is its own root cause
         return None
 
     # ---- effects ----------------------------------------------------------------------------

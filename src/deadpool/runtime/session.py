@@ -32,7 +32,7 @@ from deadpool.runtime.snapshot import GenerationAborted, SnapshotEngine
 from deadpool.runtime.watch import AbortWatcher
 from deadpool.runtime.state import Stateful, load_into, state_sha256, unflatten
 
-CALIBRATION_SNAPSHOTS = 4  # snapshots measured before `auto` picks an interval
+CALIBRATION_STEPS = 5  # `auto` snapshots every step until this step, then picks an interval
 RECOVERABLE = (RuntimeError, GenerationAborted, TimeoutError, SwapAborted)
 
 
@@ -162,8 +162,9 @@ class Session:
             if self.every:
                 self.engine.capture(0, self._tree)
         else:                      # a spare taking over: its state was restored in register()
-            self._resume(self._target)
-            self.ctx.events.emit("spare_activated", restored_step=self._target)
+            target = self._target
+            self._resume(target)
+            self.ctx.events.emit("spare_activated", restored_step=target)
 
     def _before_optimizer_step(self) -> None:
         """The state may change from here on, so the last snapshot's copy must be complete."""
@@ -183,12 +184,17 @@ class Session:
                              wait_s=self.engine.wait_s - waited, replay=step <= self._frontier)
         if self.every and step % self.every == 0:
             self.engine.capture(step, self._tree)
-        if self.calibrating and len(self.engine.costs) >= CALIBRATION_SNAPSHOTS:
+        if self.calibrating and step >= CALIBRATION_STEPS:
             self._choose_interval()
 
     def _choose_interval(self) -> None:
-        """`auto`: the densest interval whose snapshot cost stays within the budget; ranks take the max."""
-        cost, step_s = statistics.median(self.engine.costs), statistics.median(self._step_times)
+        """`auto`: the densest interval whose snapshot cost stays within the budget; ranks take the max.
+
+        Every rank decides at the same step (a collective), whatever it measured: a spare that just
+        took over has measured little, and the others' costs decide.
+        """
+        cost = statistics.median(self.engine.costs) if self.engine.costs else 0.0
+        step_s = statistics.median(self._step_times)
         mine = max(1, math.ceil(cost / (self.ctx.config.snapshot_budget * step_s)))
         chosen = torch.tensor([mine], dtype=torch.int64, device=self.device)
         finish(dist.all_reduce(chosen, op=dist.ReduceOp.MAX, async_op=True), self.watcher.aborted)

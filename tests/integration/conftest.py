@@ -1,0 +1,73 @@
+"""Shared helpers for integration tests: run real jobs of the example GPT, and check nothing leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deadpool.config import Fault, JobConfig
+from deadpool.events import read_events
+from deadpool.launcher.launch import launch
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "gpt" / "train.py"
+# A smaller GPT than the demo's, so a 10-step job takes seconds; every behaviour under test is the same.
+SMALL = ("--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--batch-size", "4", "--log-samples")
+
+
+def _children() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes():
+    """A test fails if any process it started is still running afterwards."""
+    before = set(_children())
+    yield
+    leaked = set(_children()) - before
+    assert not leaked, f"test leaked child processes {sorted(leaked)}"
+
+
+class Job:
+    """The outcome of one finished job: exit code, summary, and its events."""
+
+    def __init__(self, run_dir: Path, code: int, summary: dict[str, Any]) -> None:
+        self.run_dir, self.code, self.summary = run_dir, code, summary
+        self.events = list(read_events(run_dir / "events.jsonl"))
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == name]
+
+    def batches(self) -> dict[tuple[int, int], list[int]]:
+        """(step, rank) -> sample ids of the execution that counts (the last one: replays supersede)."""
+        return {(e["step"], e["rank"]): e["samples"] for e in self.named("batch")}
+
+
+def run_job(run_dir: Path, *, steps: int = 10, workers: int = 4, spares: int = 1, faults: tuple[Fault, ...] = (),
+            script_args: tuple[str, ...] = SMALL, **config: Any) -> Job:
+    job_config = JobConfig(script=str(TRAIN), script_args=("--steps", str(steps), *script_args), workers=workers,
+                           spares=spares, run_dir=str(run_dir), faults=faults, **config)
+    code, summary = launch(job_config, echo=None)
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    return Job(run_dir, code, summary)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The failure-free run every fault test must reproduce bit for bit (4 workers, 1 spare, 10 steps)."""
+    job = run_job(tmp_path_factory.mktemp("reference"))
+    assert job.code == 0 and job.summary["swaps"] == 0
+    return job

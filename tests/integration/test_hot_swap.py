@@ -1,0 +1,118 @@
+"""Real processes, real SIGKILLs: a killed worker is replaced by a spare and the run stays bit-for-bit equal."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deadpool.config import Fault
+from deadpool.runtime.session import CALIBRATION_STEPS
+
+from .conftest import Job, run_job
+
+
+def assert_same_training(job: Job, reference: Job) -> None:
+    """The exact oracle: same final state of every rank, same loss at every step, same samples per step."""
+    assert job.code == 0, job.summary["error"]
+    assert job.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
+    assert job.summary["final_state_sha256"] == reference.summary["final_state_sha256"]
+    assert job.summary["losses"] == reference.summary["losses"]
+    batches = job.batches()
+    assert batches == reference.batches()  # no sample skipped, none trained on twice in the final history
+    ids = [i for samples in batches.values() for i in samples]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("phase", ["step_start", "backward", "snapshot_copy", "replicate", "after_optimizer"])
+def test_sigkill_in_any_phase_is_hot_swapped_bit_for_bit(tmp_path, reference, phase):
+    job = run_job(tmp_path, faults=(Fault(kind="kill", rank=1, step=6, phase=phase),))
+    assert_same_training(job, reference)
+    [fault] = job.named("fault_injected")
+    assert (fault["target_rank"], fault["step"], fault["phase"]) == (1, 6, phase)
+    assert job.summary["swaps"] == 1
+    [recovery] = job.summary["recoveries"]
+    assert recovery["failed_rank"] == 1 and recovery["replaced"] == {"1": "s0"}
+    assert recovery["kill_step"] == 6
+    # the newest committed snapshot is 5, or 4 when 5 was still replicating at the kill
+    assert recovery["restored_step"] in (4, 5)
+    assert recovery["steps_replayed"] == 5 - recovery["restored_step"]
+    # every rank (survivors and the spare) resumed from the same step, under the new generation
+    resumed = {e["rank"]: e["restored_step"] for e in job.named("recovered")}
+    [activated] = job.named("spare_activated")
+    assert resumed == {0: recovery["restored_step"], 2: recovery["restored_step"], 3: recovery["restored_step"]}
+    assert activated["restored_step"] == recovery["restored_step"] and activated["proc"] == "s0"
+    assert {e["gen"] for e in job.named("finished")} == {1}
+
+
+def test_two_failures_with_two_spares(tmp_path, reference):
+    faults = (Fault(kind="kill", rank=1, step=4, phase="backward"), Fault(kind="kill", rank=3, step=8, phase="forward"))
+    job = run_job(tmp_path, spares=2, faults=faults)
+    assert_same_training(job, reference)
+    assert job.summary["swaps"] == 2
+    first, second = job.summary["recoveries"]
+    assert (first["failed_rank"], second["failed_rank"]) == (1, 3)
+    assert first["replaced"] == {"1": "s1"} and second["replaced"] == {"3": "s0"}
+
+
+def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
+    faults = (Fault(kind="kill", rank=1, step=3, phase="backward"), Fault(kind="kill", rank=2, step=6, phase="backward"))
+    started = time.monotonic()
+    job = run_job(tmp_path, spares=1, faults=faults)
+    assert time.monotonic() - started < 60  # bounded: nothing waits for a timeout
+    assert job.code == 1
+    assert job.summary["swaps"] == 1
+    error = job.summary["error"]
+    assert "rank 2 (w2," in error and "killed by SIGKILL" in error and "no spare left" in error
+    committed = [e["step"] for e in job.events if e["event"] == "commit"]
+    assert f"Last committed step: {max(committed)}." in error
+    [failed] = job.named("job_failed")
+    assert failed["root_cause"].startswith("rank 2 (w2,")  # the recovered first failure is not blamed
+
+
+def test_no_spare_at_all(tmp_path):
+    job = run_job(tmp_path, spares=0, faults=(Fault(kind="kill", rank=0, step=3, phase="backward"),))
+    assert job.code == 1 and job.summary["swaps"] == 0
+    assert "rank 0 (w0," in job.summary["error"] and "no spare left in the pool" in job.summary["error"]
+
+
+def test_corrupted_replica_is_never_restored_from(tmp_path):
+    """The spare's copy of rank 2's snapshot 5 has a flipped byte: recovery falls back to step 4,
+    which every rank still holds intact, and the run is still bit-for-bit equal.
+
+    The example's default model is used here: its steps are long enough that snapshot 5 is always
+    replicated before the kill in step 6's backward pass (checked below, not assumed).
+    """
+    default_model = ("--log-samples",)
+    reference = run_job(tmp_path / "reference", steps=8, script_args=default_model)
+    faults = (Fault(kind="corrupt_replica", rank=2, step=5), Fault(kind="kill", rank=2, step=6, phase="backward"))
+    job = run_job(tmp_path / "faulty", steps=8, faults=faults, script_args=default_model)
+    [rejected] = [e for e in job.named("replica_rejected") if e.get("step") == 5]
+    assert rejected["of_rank"] == 2 and "checksum" in rejected["error"]
+    [decided] = job.named("restore_decided")
+    assert decided["holdings"]["2"] == [4] and decided["target"] == 4
+    assert "fall back to step 4" in decided["reason"]
+    assert job.summary["recoveries"][0]["restored_step"] == 4
+    assert_same_training(job, reference)
+
+
+def test_corrupted_replica_with_no_intact_fallback_stops_cleanly(tmp_path):
+    """Killed while sending snapshot 6, rank 2's only other replica (5) is corrupt: the spare holds
+    nothing intact, so the job stops and says why instead of restoring bad bytes."""
+    faults = (Fault(kind="corrupt_replica", rank=2, step=5), Fault(kind="kill", rank=2, step=6, phase="replicate"))
+    job = run_job(tmp_path, faults=faults)
+    assert job.code == 1
+    [decided] = job.named("restore_decided")
+    assert decided["target"] is None and decided["holdings"]["2"] == []
+    assert "cannot recover from memory" in job.summary["error"]
+    assert not job.named("recovered")
+
+
+def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path, reference):
+    job = run_job(tmp_path, snapshot_every="auto", faults=(Fault(kind="kill", rank=3, step=9, phase="backward"),))
+    chosen = {e["every"] for e in job.named("snapshot_interval") if e["gen"] == 0}
+    assert len(chosen) == 1 and min(chosen) >= 1  # every rank agreed on one interval
+    every = chosen.pop()
+    snapshots = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == 0 and e["step"] > CALIBRATION_STEPS})
+    assert all(step % every == 0 for step in snapshots)
+    assert_same_training(job, reference)

@@ -1,0 +1,98 @@
+"""Tests for deadpool/coordinator/protocol.py: the JSON plan and the store keys."""
+
+import json
+
+from deadpool.coordinator.protocol import Keys, Plan, decode, encode
+
+PLAN = Plan(generation=3, ranks=("w0", "s1", "w2"), holders=(("s0",), ("s0", "s2"), ()), spares=("s0", "s2"),
+            reason="w1 (rank 1) failed; spare s1 takes rank 1")
+
+
+def test_plan_json_round_trip():
+    back = Plan.from_json(PLAN.to_json())
+    assert back == PLAN
+    assert type(back.ranks) is tuple and type(back.spares) is tuple
+    assert type(back.holders) is tuple and all(type(h) is tuple for h in back.holders)
+
+
+def test_plan_from_bytes():
+    assert Plan.from_json(PLAN.to_json().encode()) == PLAN
+
+
+def test_plan_json_is_plain_data():
+    assert json.loads(PLAN.to_json()) == {
+        "generation": 3, "ranks": ["w0", "s1", "w2"], "holders": [["s0"], ["s0", "s2"], []],
+        "spares": ["s0", "s2"], "reason": "w1 (rank 1) failed; spare s1 takes rank 1"}
+
+
+def test_plan_default_reason():
+    assert Plan(generation=0, ranks=("w0",), holders=((),), spares=()).reason == "job start"
+
+
+def test_world_size():
+    assert PLAN.world_size == 3
+
+
+def test_rank_of():
+    assert [PLAN.rank_of(p) for p in ("w0", "s1", "w2")] == [0, 1, 2]
+    assert PLAN.rank_of("s0") is None
+    assert PLAN.rank_of("w1") is None  # replaced
+
+
+def test_held_by():
+    assert PLAN.held_by("s0") == [0, 1]
+    assert PLAN.held_by("s2") == [1]
+    assert PLAN.held_by("w0") == []
+
+
+def all_keys(keys: Keys, gen: int) -> list[str]:
+    return [keys.generation(), keys.plan(gen), keys.abort(gen), keys.shutdown(), keys.group_prefix(gen),
+            keys.pair_prefix(gen, 1, "s0"), keys.durable(gen, 5), keys.commit_marker(gen, 5), keys.committed(),
+            keys.ready(gen, 1), keys.target(gen), keys.resumed(gen, 1), keys.fault_fired(0)]
+
+
+def test_every_key_is_under_the_token_prefix():
+    keys = Keys("s3cret")
+    assert keys.prefix == "deadpool/s3cret/"
+    listed = all_keys(keys, 2)
+    assert all(k.startswith("deadpool/s3cret/") for k in listed)
+    assert len(set(listed)) == len(listed)  # no two purposes share a key
+
+
+def test_keys_exact_names():
+    keys = Keys("t")
+    assert all_keys(keys, 2) == [
+        "deadpool/t/gen", "deadpool/t/plan/2", "deadpool/t/abort/2", "deadpool/t/shutdown", "deadpool/t/g2/pg/",
+        "deadpool/t/g2/rep/1/s0/", "deadpool/t/g2/durable/5", "deadpool/t/g2/commit/5", "deadpool/t/committed",
+        "deadpool/t/g2/ready/1", "deadpool/t/g2/target", "deadpool/t/g2/resumed/1", "deadpool/t/fault/0"]
+
+
+def test_different_tokens_share_no_key():
+    assert not set(all_keys(Keys("a"), 1)) & set(all_keys(Keys("b"), 1))
+
+
+def test_generations_get_disjoint_data_plane_prefixes():
+    keys = Keys("t")
+    for g1, g2 in [(1, 2), (1, 10), (2, 12)]:  # 10 and 12 must not be read as extensions of 1 and 2
+        a, b = keys.group_prefix(g1), keys.group_prefix(g2)
+        assert a != b and not a.startswith(b) and not b.startswith(a)
+        a, b = keys.pair_prefix(g1, 0, "s0"), keys.pair_prefix(g2, 0, "s0")
+        assert a != b and not a.startswith(b) and not b.startswith(a)
+    per_gen = ["plan", "abort", "target"]
+    for name in per_gen:
+        assert getattr(keys, name)(1) != getattr(keys, name)(2)
+    assert keys.ready(1, 0) != keys.ready(2, 0) and keys.resumed(1, 0) != keys.resumed(2, 0)
+    assert keys.durable(1, 5) != keys.durable(2, 5) and keys.commit_marker(1, 5) != keys.commit_marker(2, 5)
+
+
+def test_pair_prefixes_differ_by_rank_and_holder():
+    keys = Keys("t")
+    prefixes = {keys.pair_prefix(1, r, h) for r in (0, 1, 11) for h in ("s0", "s1")}
+    assert len(prefixes) == 6
+    assert not any(a != b and a.startswith(b) for a in prefixes for b in prefixes)
+
+
+def test_encode_decode_round_trip():
+    value = {"step": 7, "gen": 2, "steps": [5, 7]}
+    assert decode(encode(value)) == value
+    assert decode(encode(value).encode()) == value

@@ -1,0 +1,121 @@
+"""Tests for deadpool/launcher/cli.py: argument parsing and building the JobConfig of `deadpool run`."""
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from deadpool.config import Fault, JobConfig
+from deadpool.errors import ConfigError
+from deadpool.launcher.cli import build_parser, job_config, parse_fault, snapshot_every
+
+
+# ---- parse_fault ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, fault", [
+    ("kill:2:15:backward", Fault(kind="kill", rank=2, step=15, phase="backward")),
+    ("kill:0:1:snapshot_copy", Fault(kind="kill", rank=0, step=1, phase="snapshot_copy")),
+    ("kill:3:7", Fault(kind="kill", rank=3, step=7, phase="backward")),
+    ("corrupt_replica:1:10", Fault(kind="corrupt_replica", rank=1, step=10)),
+])
+def test_parse_fault(text, fault):
+    assert parse_fault(text) == fault
+
+
+FORMAT = ("expected KIND:RANK:STEP[:PHASE], e.g. kill:2:15:backward "
+          "(phases: step_start, forward, backward, after_optimizer, snapshot_copy, replicate)")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("kill:2", f"--fault 'kill:2': {FORMAT}"),
+    ("kill", f"--fault 'kill': {FORMAT}"),
+    ("kill:1:2:backward:x", f"--fault 'kill:1:2:backward:x': {FORMAT}"),
+    ("kill:a:3", f"--fault 'kill:a:3': {FORMAT}"),
+    ("kill:1:three", f"--fault 'kill:1:three': {FORMAT}"),
+    ("kill:-1:3", f"--fault 'kill:-1:3': {FORMAT}"),
+    ("explode:1:2", "fault kind 'explode' is not one of ('kill', 'corrupt_replica')"),
+    ("kill:1:0", "fault needs rank >= 0 and step >= 1, got rank=1 step=0"),
+    ("kill:1:2:sideways", "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', "
+                          "'after_optimizer', 'snapshot_copy', 'replicate')"),
+])
+def test_parse_fault_rejects(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(message)}$"):
+        parse_fault(text)
+
+
+# ---- snapshot_every -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [("auto", "auto"), ("0", 0), ("1", 1), ("25", 25)])
+def test_snapshot_every(text, value):
+    assert snapshot_every(text) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5", "", "Auto", "never"])
+def test_snapshot_every_rejects(text):
+    message = f"--snapshot-every must be a number of steps (0 = off) or 'auto', got {text!r}"
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(message)}$"):
+        snapshot_every(text)
+
+
+# ---- `deadpool run` -> JobConfig ------------------------------------------------------------
+
+def test_run_defaults():
+    args = build_parser().parse_args(["run", "train.py"])
+    config = job_config(args, args.script, args.script_args, Path("/tmp/out"))
+    assert config == JobConfig(script="train.py", script_args=(), workers=2, spares=0, run_dir="/tmp/out",
+                               store_host="127.0.0.1", store_port=0, backend="auto", snapshot_every=1,
+                               snapshot_budget=0.01, backlog_policy="wait", decision_timeout_s=10.0,
+                               recovery_timeout_s=30.0, collective_timeout_s=60.0, faults=())
+    assert args.command == "run" and args.out is None
+
+
+def test_run_with_every_option():
+    args = build_parser().parse_args([
+        "run", "--nproc-per-node", "4", "--spares", "2", "--snapshot-every", "auto", "--snapshot-budget", "0.05",
+        "--backlog-policy", "skip", "--backend", "gloo", "--master-addr", "10.0.0.1", "--master-port", "29500",
+        "--decision-timeout", "5", "--recovery-timeout", "20", "--collective-timeout", "40",
+        "--fault", "kill:3:15:forward", "--fault", "corrupt_replica:1:10", "--out", "runs/x",
+        "train.py", "--steps", "40", "--lr", "0.1"])
+    assert args.out == Path("runs/x")
+    config = job_config(args, args.script, args.script_args, args.out)
+    assert config == JobConfig(
+        script="train.py", script_args=("--steps", "40", "--lr", "0.1"), workers=4, spares=2, run_dir="runs/x",
+        store_host="10.0.0.1", store_port=29500, backend="gloo", snapshot_every="auto", snapshot_budget=0.05,
+        backlog_policy="skip", decision_timeout_s=5.0, recovery_timeout_s=20.0, collective_timeout_s=40.0,
+        faults=(Fault(kind="kill", rank=3, step=15, phase="forward"), Fault(kind="corrupt_replica", rank=1, step=10)))
+    assert type(config.script_args) is tuple and type(config.faults) is tuple
+
+
+def test_job_config_overrides_and_explicit_faults():
+    args = build_parser().parse_args(["run", "--fault", "kill:1:3", "train.py"])
+    fault = Fault(kind="kill", rank=0, step=2)
+    config = job_config(args, "other.py", ["a"], Path("out"), faults=[fault], token="abc", spares=1)
+    assert (config.script, config.script_args, config.run_dir) == ("other.py", ("a",), "out")
+    assert config.faults == (fault,) and config.token == "abc" and config.spares == 1
+
+
+def test_job_config_validates_fault_rank_against_workers():
+    args = build_parser().parse_args(["run", "--workers", "2", "--fault", "kill:2:5", "train.py"])
+    with pytest.raises(ConfigError, match=r"^fault targets rank 2 but the job has ranks 0\.\.1$"):
+        job_config(args, args.script, args.script_args, Path("out"))
+
+
+def test_job_config_validates_timeout_order():
+    args = build_parser().parse_args(["run", "--decision-timeout", "40", "train.py"])
+    with pytest.raises(ConfigError, match=r"^timeouts must satisfy 0 < decision-timeout < recovery-timeout"):
+        job_config(args, args.script, args.script_args, Path("out"))
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["run", "--fault", "kill:9", "train.py"], "argument --fault: --fault 'kill:9': expected KIND:RANK:STEP[:PHASE]"),
+    (["run", "--fault", "nap:0:1", "train.py"], "argument --fault: fault kind 'nap' is not one of"),
+    (["run", "--snapshot-every", "often", "train.py"], "argument --snapshot-every: --snapshot-every must be"),
+    (["run", "--backend", "mpi", "train.py"], "argument --backend: invalid choice: 'mpi'"),
+    (["run"], "the following arguments are required: script"),
+])
+def test_parser_rejects_bad_arguments(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert complaint in capsys.readouterr().err

@@ -1,0 +1,179 @@
+"""Tests for deadpool/runtime/slots.py: reserve/seal/intact, reading tensors back, and the slot reuse rule."""
+
+import json
+
+import numpy as np
+import torch
+
+from deadpool.runtime.slots import Slot, checksum, make_meta, pick_slot
+from deadpool.runtime.state import Layout, flatten, unflatten
+
+
+class Box:
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def fill(slot: Slot, step: int, tree) -> tuple:
+    """Writes a snapshot into `slot` exactly as the snapshot engine does, and seals it."""
+    flat = flatten(tree)
+    layout = Layout.of(flat.tensors)
+    buffer = slot.reserve(layout.nbytes)
+    for tensor, (_, _, offset, n) in zip(flat.tensors, layout.specs):
+        if n:
+            buffer[offset:offset + n].copy_(tensor.reshape(-1).view(torch.uint8))
+    meta = make_meta(step, flat.skeleton, layout, flat.numpy)
+    slot.seal(step, meta, checksum(meta, slot.data))
+    return flat, layout, meta
+
+
+def sample_tree():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5), torch.nn.BatchNorm1d(5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    extra = Box({"rng": np.random.RandomState(3).get_state(), "mask": torch.tensor([True, False, True]),
+                 "half": torch.arange(3, dtype=torch.bfloat16), "empty": torch.zeros(0, 2),
+                 "t": torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),  # not contiguous
+                 "ids": np.arange(5, dtype=np.int16)})
+    return {"model": model, "optim": optimizer, "extra": extra}
+
+
+# ---- reserve / seal / intact ----------------------------------------------------------------
+
+def test_new_slot_is_empty_and_not_intact():
+    slot = Slot()
+    assert slot.step is None and slot.nbytes == 0 and not slot.intact()
+
+
+def test_reserve_grows_only_when_needed_and_marks_empty():
+    slot = Slot()
+    view = slot.reserve(128)
+    assert view.numel() == 128 and view.dtype == torch.uint8 and slot.buffer.numel() == 128
+    view.fill_(7)
+    slot.seal(1, b"{}", checksum(b"{}", slot.data))
+    assert slot.step == 1 and slot.intact()
+    ptr = slot.buffer.data_ptr()
+    smaller = slot.reserve(64)
+    assert slot.step is None and not slot.intact()  # being written: never restored from
+    assert slot.nbytes == 64 and slot.data.numel() == 64 and smaller.numel() == 64
+    assert slot.buffer.data_ptr() == ptr and slot.buffer.numel() == 128  # no reallocation
+    slot.reserve(256)
+    assert slot.buffer.numel() == 256
+
+
+def test_flipping_one_byte_breaks_intact():
+    slot = Slot()
+    fill(slot, 4, {"box": Box({"w": torch.arange(40, dtype=torch.float32)})})
+    assert slot.step == 4 and slot.intact()
+    slot.buffer[slot.nbytes // 2] ^= 0xFF
+    assert not slot.intact()
+    slot.buffer[slot.nbytes // 2] ^= 0xFF
+    assert slot.intact()
+
+
+def test_changed_metadata_breaks_intact():
+    slot = Slot()
+    _, _, meta = fill(slot, 4, {"box": Box({"w": torch.ones(8)})})
+    slot.meta = meta.replace(b'"step": 4', b'"step": 5')
+    assert not slot.intact()
+
+
+def test_checksum_covers_meta_and_data():
+    data = torch.arange(16, dtype=torch.uint8)
+    base = checksum(b"m", data)
+    assert base == checksum(b"m", data.clone())
+    assert base != checksum(b"n", data)
+    changed = data.clone()
+    changed[3] += 1
+    assert base != checksum(b"m", changed)
+
+
+# ---- tensors() ------------------------------------------------------------------------------
+
+def test_make_meta_is_json():
+    flat = flatten({"box": Box({"w": torch.ones(2), "n": np.zeros(1)})})
+    layout = Layout.of(flat.tensors)
+    meta = json.loads(make_meta(9, flat.skeleton, layout, flat.numpy))
+    assert meta == {"step": 9, "skeleton": flat.skeleton, "tensors": [["float32", [2], 0, 8], ["float64", [1], 64, 8]],
+                    "numpy": [False, True], "nbytes": 128}
+
+
+def test_tensors_round_trip_through_a_slot():
+    tree = sample_tree()
+    slot = Slot()
+    flat, layout, _ = fill(slot, 6, tree)
+    skeleton, tensors, numpy_flags = slot.tensors()
+    assert skeleton == json.loads(json.dumps(flat.skeleton)) and numpy_flags == flat.numpy
+    assert len(tensors) == len(flat.tensors)
+    for got, want in zip(tensors, flat.tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    # private copies: the slot's buffer can be overwritten without touching them
+    kept = [t.clone() for t in tensors]
+    slot.buffer.zero_()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, kept))
+
+    state = unflatten(skeleton, tensors, numpy_flags)
+    rng = state["extra"]["rng"]
+    assert type(rng) is tuple and rng[0] == "MT19937"
+    assert type(rng[1]) is np.ndarray and rng[1].dtype == np.uint32
+    assert np.array_equal(rng[1], np.random.RandomState(3).get_state()[1])
+    assert state["extra"]["ids"].dtype == np.int16 and state["extra"]["ids"].tolist() == [0, 1, 2, 3, 4]
+    assert state["extra"]["t"].tolist() == [[0, 3], [1, 4], [2, 5]]
+    assert state["extra"]["half"].dtype == torch.bfloat16 and state["extra"]["empty"].shape == (0, 2)
+    assert list(state["optim"]["state"]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_tensors_restore_a_model_exactly():
+    tree = sample_tree()
+    slot = Slot()
+    fill(slot, 1, tree)
+    state = unflatten(*slot.tensors())
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5), torch.nn.BatchNorm1d(5))
+    other.load_state_dict(state["model"])
+    for (name, a), (_, b) in zip(tree["model"].state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+# ---- pick_slot ------------------------------------------------------------------------------
+
+def slots(*steps):
+    return [Slot(step=s) for s in steps]
+
+
+def test_pick_prefers_an_empty_slot():
+    pool = slots(3, None)
+    assert pick_slot(pool, committed=None) is pool[1]
+    pool = slots(None, 3)
+    assert pick_slot(pool, committed=3) is pool[0]
+
+
+def test_pick_oldest_when_none_is_committed():
+    pool = slots(5, 4)
+    assert pick_slot(pool, committed=None) is pool[1]
+
+
+def test_pick_never_overwrites_the_committed_step():
+    pool = slots(4, 5)
+    assert pick_slot(pool, committed=4) is pool[1]  # the newer one, since the older is committed
+    pool = slots(5, 4)
+    assert pick_slot(pool, committed=5) is pool[1]
+
+
+def test_pick_oldest_among_several():
+    pool = slots(7, 2, 9)
+    assert pick_slot(pool, committed=9) is pool[1]
+    assert pick_slot(pool, committed=2) is pool[0]
+
+
+def test_pick_committed_step_absent():
+    pool = slots(7, 8)
+    assert pick_slot(pool, committed=3) is pool[0]

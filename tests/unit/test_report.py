@@ -1,0 +1,214 @@
+"""Tests for deadpool/report.py: a run's summary computed from a synthetic events.jsonl.
+
+Times are multiples of 1/8 so that every difference below is exact in floating point.
+"""
+
+import hashlib
+import json
+
+import pytest
+
+from deadpool.report import final_losses, summarize
+
+
+def ev(event: str, t: float, gen: int, rank: int | None = None, **fields) -> dict:
+    return {"event": event, "t": t, "wall": 1e9 + t, "role": "worker", "proc": "w?", "rank": rank, "gen": gen,
+            "pid": 100, **fields}
+
+
+def steps(gen: int, first: int, last: int, t0: float, losses: dict[int, float]) -> list[dict]:
+    """Both ranks complete steps first..last, one every 1/8 s from t0."""
+    out = []
+    for i, step in enumerate(range(first, last + 1)):
+        for rank in (0, 1):
+            out.append(ev("step", t0 + i / 8, gen, rank, step=step, loss=losses[step] + rank, dur_s=0.1, wait_s=0.0,
+                          replay=False))
+    return out
+
+
+def write(path, events, torn: bool = False):
+    with open(path, "w") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+        if torn:
+            f.write('{"event": "step", "t": 99.0, "gen"')
+
+
+GEN0_LOSS = {1: 4.0, 2: 3.5, 3: 3.25, 4: 3.0, 5: 2.75, 6: 2.5}
+GEN1_LOSS = {6: 2.375, 7: 2.25, 8: 2.125}  # step 6 is replayed with a different loss: the replay wins
+
+
+def one_swap_events() -> list[dict]:
+    """w1 (rank 1) is killed in the backward of step 7 at t=10; s0 takes over from committed step 5."""
+    events = steps(0, 1, 6, 9.0, GEN0_LOSS)  # t = 9.0 .. 9.625
+    events += [
+        ev("fault_injected", 10.0, 0, 1, kind="kill", target_rank=1, step=7, phase="backward"),
+        ev("failure_detected", 10.5, 0, None, proc="w1", failed_rank=1, exit="killed by SIGKILL", returncode=-9),
+        ev("plan_published", 10.625, 1, None, ranks=["w0", "s0"], holders=[[], []], spares=[], reason="r"),
+        ev("restore_decided", 11.0, 1, None, target=5, reason="restore committed step 5",
+           holdings={"0": [5], "1": [5]}),
+        ev("recovered", 11.25, 1, 0, restored_step=5, frontier=6, negotiate_s=0.125, restore_s=0.25, rebuild_s=0.5,
+           total_s=0.875),
+        ev("recovered", 11.375, 1, 1, restored_step=5, frontier=6, negotiate_s=0.125, restore_s=0.375,
+           rebuild_s=0.125, total_s=0.625),
+        ev("swap_complete", 11.5, 1, None, restored_step=5, replaced={"1": "s0"},
+           cause="rank 1 (w1, pid 100) killed by SIGKILL", detect_to_resume_s=1.0),
+    ]
+    events += steps(1, 6, 8, 12.0, GEN1_LOSS)  # step 6 at 12.0, step 7 (the frontier) at 12.125
+    events += [ev("finished", 12.5, 1, 0, step=8, state_sha256="aa", entry_sha256={}),
+               ev("finished", 12.5, 1, 1, step=8, state_sha256="bb", entry_sha256={})]
+    return events
+
+
+def test_one_swap_summary(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, one_swap_events(), torn=True)
+    summary = summarize(path, exit_code=0)
+    assert summary["recoveries"] == [{
+        "generation": 1,
+        "cause": "rank 1 (w1, pid 100) killed by SIGKILL",
+        "failed_rank": 1,
+        "replaced": {"1": "s0"},
+        "kill_step": 7,
+        "restored_step": 5,
+        "steps_replayed": 1,            # step 6 completed before the kill and runs again
+        "detect_s": 0.5,                # kill -> failure_detected
+        "decide_s": 0.125,              # failure_detected -> plan_published
+        "report_s": 0.375,              # plan_published -> restore_decided
+        "restore_s": 0.375,             # slowest rank
+        "rebuild_s": 0.5,               # slowest rank
+        "resume_s": 1.5,                # kill -> swap_complete
+        "replay_s": 0.625,              # swap_complete -> first step >= kill step
+        "total_s": 2.0,                 # kill -> first step of the new generation
+        "kill_to_next_step_s": 2.0,
+        "kill_to_frontier_s": 2.125,
+    }]
+    assert summary["exit_code"] == 0 and summary["error"] is None and summary["swaps"] == 1
+    assert summary["steps_replayed"] == 1
+    assert summary["final_step"] == 8
+    assert summary["final_loss"] == 2.125
+    assert summary["rank_state_sha256"] == ["aa", "bb"]
+    assert summary["final_state_sha256"] == hashlib.sha256(b"aabb").hexdigest()
+    assert summary["losses"] == {
+        "0": [4.0, 3.5, 3.25, 3.0, 2.75, 2.375, 2.25, 2.125],
+        "1": [5.0, 4.5, 4.25, 4.0, 3.75, 3.375, 3.25, 3.125],
+    }
+
+
+def test_final_losses_last_execution_wins():
+    events = one_swap_events()
+    assert final_losses(events)[0][6] == 2.375
+    assert final_losses(events[:12])[0] == GEN0_LOSS  # before the failure: the first execution
+
+
+def test_final_loss_of_a_replayed_last_step(tmp_path):
+    # The failure strikes after the last step ran once; its replay is the final loss.
+    events = one_swap_events()
+    events = [e for e in events if not (e["event"] == "step" and e["gen"] == 1 and e["step"] > 6)]
+    path = tmp_path / "events.jsonl"
+    write(path, events)
+    summary = summarize(path, exit_code=0)
+    assert summary["final_step"] == 6 and summary["final_loss"] == 2.375
+    rec = summary["recoveries"][0]
+    assert rec["replay_s"] is None and rec["kill_to_frontier_s"] is None  # never got past the kill step
+    assert rec["total_s"] == 2.0
+
+
+def test_clean_run(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, steps(0, 1, 3, 1.0, GEN0_LOSS) + [ev("finished", 2.0, 0, 1, state_sha256="b1"),
+                                                   ev("finished", 2.0, 0, 0, state_sha256="a0")])
+    summary = summarize(path, exit_code=0)
+    assert summary == {
+        "exit_code": 0, "error": None, "swaps": 0, "recoveries": [], "steps_replayed": 0, "final_step": 3,
+        "final_loss": 3.25, "final_state_sha256": hashlib.sha256(b"a0b1").hexdigest(),
+        "rank_state_sha256": ["a0", "b1"],
+        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]},
+    }
+
+
+def test_failed_job(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, steps(0, 1, 2, 1.0, GEN0_LOSS) + [
+        ev("failure_detected", 2.0, 0, None, proc="w1", failed_rank=1, exit="exited with code 3", returncode=3),
+        ev("job_failed", 2.125, 0, None, reason="rank 1 exited with code 3; no spare left in the pool",
+           root_cause="rank 1 exited with code 3"),
+    ])
+    summary = summarize(path, exit_code=1)
+    assert summary["exit_code"] == 1
+    assert summary["error"] == "rank 1 exited with code 3; no spare left in the pool"
+    assert summary["swaps"] == 0 and summary["recoveries"] == [] and summary["steps_replayed"] == 0
+    assert summary["final_step"] == 2 and summary["final_loss"] == 3.5
+    assert summary["final_state_sha256"] is None and summary["rank_state_sha256"] == []
+
+
+def test_empty_run(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, [])
+    summary = summarize(path, exit_code=2)
+    assert summary["final_step"] == 0 and summary["final_loss"] is None and summary["losses"] == {}
+
+
+def crash_events() -> list[dict]:
+    """Rank 0 crashes on its own (no injected fault) after step 4 completed everywhere."""
+    events = steps(0, 1, 4, 1.0, GEN0_LOSS)  # last step at 1.375
+    events += [
+        ev("failure_detected", 2.0, 0, None, proc="w0", failed_rank=0, exit="exited with code 1", returncode=1),
+        ev("plan_published", 2.25, 1, None),
+        ev("restore_decided", 2.5, 1, None, target=4),
+        ev("recovered", 2.75, 1, 0, restore_s=0.125, rebuild_s=0.25),
+        ev("recovered", 2.75, 1, 1, restore_s=0.125, rebuild_s=0.25),
+        ev("swap_complete", 3.0, 1, None, restored_step=4, replaced={"0": "s0"}, cause="rank 0 crashed"),
+    ]
+    events += steps(1, 5, 5, 3.5, GEN0_LOSS)
+    return events
+
+
+def test_recovery_without_injected_kill_starts_at_detection(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, crash_events())
+    (rec,) = summarize(path, exit_code=0)["recoveries"]
+    assert rec["kill_step"] == 5                  # the step after the last one completed before detection
+    assert rec["steps_replayed"] == 0
+    assert rec["detect_s"] == 0.0
+    assert rec["decide_s"] == 0.25 and rec["report_s"] == 0.25
+    assert rec["resume_s"] == 1.0 and rec["total_s"] == 1.5 and rec["replay_s"] == 0.5
+    assert rec["restore_s"] == 0.125 and rec["rebuild_s"] == 0.25
+
+
+def two_swaps_events() -> list[dict]:
+    """Swap 1: injected kill of rank 1 at step 7 (t=10). Swap 2: rank 0 crashes by itself at t=20."""
+    events = one_swap_events()[:-2]  # without the finished events; gen 1 ran steps 6..8 by t=12.25
+    events += [
+        ev("failure_detected", 20.0, 1, None, proc="w0", failed_rank=0, exit="exited with code 1", returncode=1),
+        ev("plan_published", 20.25, 2, None),
+        ev("restore_decided", 20.5, 2, None, target=8),
+        ev("recovered", 20.75, 2, 0, restore_s=0.125, rebuild_s=0.125),
+        ev("recovered", 20.75, 2, 1, restore_s=0.125, rebuild_s=0.125),
+        ev("swap_complete", 21.0, 2, None, restored_step=8, replaced={"0": "s1"}, cause="rank 0 crashed"),
+    ]
+    events += steps(2, 9, 9, 21.5, {9: 2.0})
+    return events
+
+
+def test_two_swaps_first_is_attributed_to_its_kill(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, two_swaps_events())
+    summary = summarize(path, exit_code=0)
+    assert summary["swaps"] == 2
+    first = summary["recoveries"][0]
+    assert (first["generation"], first["kill_step"], first["detect_s"], first["total_s"]) == (1, 7, 0.5, 2.0)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: _recovery attributes a failure to the latest kill fault_injected "
+                   "event before its detection, with no bound on how old it is, so a later failure that was not "
+                   "an injected kill is timed from an earlier swap's kill (here detect_s 10.0 instead of 0.0 "
+                   "and kill_step 7 instead of 9)")
+def test_two_swaps_second_is_not_attributed_to_the_first_kill(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, two_swaps_events())
+    second = summarize(path, exit_code=0)["recoveries"][1]
+    assert second["generation"] == 2
+    assert second["detect_s"] == 0.0
+    assert second["kill_step"] == 9
+    assert second["steps_replayed"] == 0
