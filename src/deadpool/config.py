@@ -83,7 +83,7 @@ class JobConfig:
         for (a, va), (b, vb) in zip(chain, chain[1:]):
             if not 0 < va < vb:
                 raise ConfigError(f"timeouts must satisfy 0 < {a} < {b}, got {a}={va}s {b}={vb}s")
-        if self.connect_timeout_s <= 0:
+        if not self.connect_timeout_s > 0:  # also rejects NaN
             raise ConfigError(f"connect timeout must be positive, got {self.connect_timeout_s}")
         for fault in self.faults:
             if fault.rank >= self.workers:

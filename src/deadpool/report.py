@@ -22,8 +22,10 @@ def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, A
     """One swap's timeline, from the kill (or its detection) to being back where the failure struck."""
     gen = done["gen"]
     detected = next(e for e in events if e["event"] == "failure_detected" and e["gen"] == gen - 1)
+    # an injected kill explains this failure only if it came after the previous generation began
+    began = max((e["t"] for e in events if e["event"] == "plan_published" and e["gen"] == gen - 1), default=float("-inf"))
     kill = next((e for e in reversed(events) if e["event"] == "fault_injected" and e["kind"] == "kill"
-                 and e["t"] <= detected["t"]), None)
+                 and began <= e["t"] <= detected["t"]), None)
     t_fail = kill["t"] if kill else detected["t"]
     completed = [e["step"] for e in events if e["event"] == "step" and e["t"] < t_fail]
     kill_step = kill["step"] if kill else max(completed, default=0) + 1

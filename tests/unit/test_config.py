@@ -121,8 +121,6 @@ def test_accepts_tight_but_ordered_timeouts():
     assert config.collective_timeout_s == 0.04
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `connect_timeout_s <= 0` is False for NaN, so a NaN connect "
-                   "timeout passes validation and only fails later, in timedelta(seconds=nan) at connect time")
 def test_rejects_nan_connect_timeout():
     with pytest.raises(ConfigError):
         job(connect_timeout_s=float("nan"))

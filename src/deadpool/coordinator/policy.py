@@ -42,20 +42,22 @@ def initial_plan(world_size: int, spares: tuple[str, ...], replicate: bool = Tru
     """Worker r is rank r; with snapshots off (replicate=False) spares hold nothing."""
     ranks = tuple(f"w{r}" for r in range(world_size))
     holders = place_replicas(world_size, spares if replicate else ())
-    return Plan(generation=0, ranks=ranks, holders=holders, spares=spares)
+    return Plan(generation=0, ranks=ranks, holders=holders, spares=spares, replicate=replicate)
 
 
 def plan_after_failure(plan: Plan, failed_proc: str, alive: set[str]) -> Decision:
     """Replaces a failed rank with a spare that holds its replica, and re-places all replicas.
 
-    A failed idle spare only shrinks the pool; the ranks it held are re-placed on the others.
+    A failed idle spare shrinks the pool; if it held replicas, a new generation re-places them on
+    the others (the workers roll back to the last commit); if it held none, the generation stays.
     """
     spares = tuple(s for s in plan.spares if s in alive and s != failed_proc)
+    place = spares if plan.replicate else ()
     rank = plan.rank_of(failed_proc)
     if rank is None:
-        new = Plan(generation=plan.generation + 1, ranks=plan.ranks,
-                   holders=place_replicas(plan.world_size, spares), spares=spares,
-                   reason=f"spare {failed_proc} lost; {len(spares)} left")
+        held = bool(plan.held_by(failed_proc))
+        new = Plan(generation=plan.generation + held, ranks=plan.ranks, holders=place_replicas(plan.world_size, place),
+                   spares=spares, reason=f"spare {failed_proc} lost; {len(spares)} left", replicate=plan.replicate)
         return Decision(new, new.reason)
     candidates = [s for s in plan.holders[rank] if s in spares]
     if not candidates:
@@ -64,8 +66,9 @@ def plan_after_failure(plan: Plan, failed_proc: str, alive: set[str]) -> Decisio
     spare = candidates[0]
     ranks = tuple(spare if r == rank else p for r, p in enumerate(plan.ranks))
     pool = tuple(s for s in spares if s != spare)
-    new = Plan(generation=plan.generation + 1, ranks=ranks, holders=place_replicas(plan.world_size, pool),
-               spares=pool, reason=f"{failed_proc} (rank {rank}) failed; spare {spare} takes rank {rank}")
+    new = Plan(generation=plan.generation + 1, ranks=ranks,
+               holders=place_replicas(plan.world_size, pool if plan.replicate else ()), spares=pool,
+               reason=f"{failed_proc} (rank {rank}) failed; spare {spare} takes rank {rank}", replicate=plan.replicate)
     return Decision(new, new.reason)
 
 

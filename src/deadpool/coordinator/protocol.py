@@ -30,6 +30,7 @@ class Plan:
     holders: tuple[tuple[str, ...], ...]   # rank -> processes holding its replica
     spares: tuple[str, ...]                # idle spares, in pool order
     reason: str = "job start"
+    replicate: bool = True                 # False when snapshots are off: spares then hold nothing
 
     @property
     def world_size(self) -> int:
@@ -50,7 +51,7 @@ class Plan:
         raw = json.loads(text)
         return cls(generation=raw["generation"], ranks=tuple(raw["ranks"]),
                    holders=tuple(tuple(h) for h in raw["holders"]), spares=tuple(raw["spares"]),
-                   reason=raw["reason"])
+                   reason=raw["reason"], replicate=raw["replicate"])
 
 
 class Keys:

@@ -93,6 +93,10 @@ class Coordinator:
                               "Add spares (--spares) to survive more failures.")
         if rank is not None:
             self.swap.replaced[rank] = decision.value.ranks[rank]
+        if decision.value.generation == self.plan.generation:  # a spare that held nothing: no one rolls back
+            self.plan, self.swap, self.root_cause = decision.value, None, None
+            self.events.emit("pool_shrunk", spares=list(self.plan.spares), reason=decision.reason)
+            return None
         self._publish(decision.value)
         return None
 

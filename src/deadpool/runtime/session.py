@@ -209,7 +209,9 @@ class Session:
     def _finish(self) -> None:
         self.engine.wait_copied()
         self.engine.stop()
-        digests = state_sha256(self._tree)
+        # the training state: everything registered, the RNGs and the step, not DeadPool's own settings
+        training = {name: obj for name, obj in self._tree.items() if name != "deadpool"}
+        digests = {**state_sha256(training), "step": str(self.step)}
         whole = hashlib.sha256("".join(digests[k] for k in sorted(digests)).encode()).hexdigest()
         self.ctx.events.emit("finished", step=self.step, state_sha256=whole, entry_sha256=digests)
         self.watcher.close()

@@ -130,7 +130,7 @@ def state_sha256(tree: dict[str, Stateful]) -> dict[str, str]:
         flat = flatten({name: obj})
         h = hashlib.sha256(json.dumps(flat.skeleton).encode())
         for t in flat.tensors:
-            h.update(str(t.dtype).encode())
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         digests[name] = h.hexdigest()
     return digests

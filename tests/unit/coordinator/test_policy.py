@@ -51,7 +51,7 @@ def test_initial_plan():
 
 def test_initial_plan_without_replication_has_no_holders_but_keeps_spares():
     assert initial_plan(2, ("s0",), replicate=False) == Plan(
-        generation=0, ranks=("w0", "w1"), holders=((), ()), spares=("s0",), reason="job start")
+        generation=0, ranks=("w0", "w1"), holders=((), ()), spares=("s0",), reason="job start", replicate=False)
 
 
 # ---- plan_after_failure ---------------------------------------------------------------------
@@ -150,9 +150,6 @@ def test_spare_failure_also_drops_other_dead_spares():
                                      reason="spare s0 lost; 1 left"), "spare s0 lost; 1 left")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: plan_after_failure re-places replicas with place_replicas() on "
-                   "the remaining spares even when the job started with replicate=False (snapshots off), so "
-                   "after an idle spare is lost the new plan names holders for snapshots that never exist")
 def test_spare_loss_keeps_snapshots_off():
     plan = initial_plan(2, ("s0", "s1"), replicate=False)
     decision = plan_after_failure(plan, "s1", {"w0", "w1", "s0"})
