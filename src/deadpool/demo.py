@@ -1,0 +1,72 @@
+"""`deadpool demo`: train the example GPT, SIGKILL a worker mid-step, then rerun without the failure and compare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from deadpool.config import Fault
+from deadpool.errors import ConfigError
+from deadpool.launcher.cli import default_out, job_config
+from deadpool.launcher.launch import launch
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
+
+
+def _banner(text: str) -> None:
+    print(f"\n=== {text} ===", flush=True)
+
+
+def _print_recoveries(summary: dict) -> None:
+    for r in summary["recoveries"]:
+        phases = ", ".join(f"{name} {r[name + '_s']:.2f} s" for name in ("detect", "decide", "report", "restore", "rebuild")
+                           if r.get(name + "_s") is not None)
+        print(f"swap in generation {r['generation']}: {r['cause']}; {', '.join(f'{s} took rank {k}' for k, s in r['replaced'].items())}\n"
+              f"  restored step {r['restored_step']}, replayed {r['steps_replayed']} finished step(s); "
+              f"kill -> next step {r['kill_to_next_step_s']:.2f} s, back at step {r['kill_step']} after "
+              f"{r['kill_to_frontier_s']:.2f} s\n  phases: {phases}", flush=True)
+
+
+def demo(args: argparse.Namespace) -> int:
+    if not EXAMPLE.is_file():
+        raise ConfigError(f"the example trainer is not at {EXAMPLE}; run the demo from a clone of the repository "
+                          "installed with `pip install -e .`")
+    if not 1 <= args.fail_at <= args.steps:
+        raise ConfigError(f"--fail-at must be a step between 1 and --steps ({args.steps}), got {args.fail_at}")
+    if args.spares < 1:
+        raise ConfigError("the demo needs at least one spare (--spares 1) to show a hot swap")
+    rank = args.fail_rank if args.fail_rank is not None else random.randrange(args.workers)
+    out = args.out or default_out("demo")
+    script_args = ["--steps", str(args.steps), "--log-every", "5"]
+    fault = Fault(kind="kill", rank=rank, step=args.fail_at, phase="backward")
+
+    _banner(f"training on {args.workers} workers + {args.spares} spare(s); rank {rank} is SIGKILLed in the backward "
+            f"pass of step {args.fail_at}")
+    code, faulty = launch(job_config(args, str(EXAMPLE), script_args, out, faults=[fault]))
+    if code != 0:
+        print(f"the run with a failure did not finish: {faulty['error']}", file=sys.stderr)
+        return code
+    _banner("what the swap cost")
+    _print_recoveries(faulty)
+
+    _banner("the same job without the failure, for comparison")
+    code, reference = launch(job_config(args, str(EXAMPLE), script_args, out / "reference", faults=[]))
+    if code != 0:
+        print(f"the reference run failed: {reference['error']}", file=sys.stderr)
+        return code
+
+    same_state = faulty["final_state_sha256"] == reference["final_state_sha256"]
+    same_losses = faulty["losses"] == reference["losses"]
+    summary = {**faulty, "reference_final_loss": reference["final_loss"],
+               "reference_state_sha256": reference["final_state_sha256"],
+               "loss_sequence_equal": same_losses, "bitwise_equal": same_state and same_losses}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _banner("result")
+    print(f"final loss {faulty['final_loss']!r} (reference {reference['final_loss']!r})\n"
+          f"final state sha256 {faulty['final_state_sha256'][:16]}... (reference "
+          f"{reference['final_state_sha256'][:16]}...)\nbitwise_equal: {str(summary['bitwise_equal']).lower()}\n"
+          f"summary: {out / 'summary.json'}   events: {out / 'events.jsonl'}", flush=True)
+    return 0 if summary["bitwise_equal"] else 1
