@@ -5,11 +5,11 @@ A training script calls `init()`, wraps its model, registers its state and hands
 """
 
 from deadpool.config import Fault, JobConfig
-from deadpool.errors import ConfigError, DeadPoolError, ProtocolError, ReplicaLost, SwapAborted, WorkerFailure
+from deadpool.errors import ConfigError, DeadPoolError, ProtocolError, SwapAborted, WorkerFailure
 from deadpool.runtime.comms import DataParallel
 from deadpool.runtime.session import Session, init
 
 __all__ = [
-    "ConfigError", "DataParallel", "DeadPoolError", "Fault", "JobConfig", "ProtocolError", "ReplicaLost",
+    "ConfigError", "DataParallel", "DeadPoolError", "Fault", "JobConfig", "ProtocolError",
     "Session", "SwapAborted", "WorkerFailure", "init",
 ]

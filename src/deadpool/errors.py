@@ -17,9 +17,5 @@ class ProtocolError(DeadPoolError):
     """A message broke the protocol: wrong token, stale generation, bad header."""
 
 
-class ReplicaLost(DeadPoolError):
-    """No committed generation is held intact by every participant of a recovery."""
-
-
 class SwapAborted(DeadPoolError):
     """A recovery did not finish within its deadline, or no spare was left to take over."""

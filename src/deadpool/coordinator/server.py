@@ -57,9 +57,11 @@ class Coordinator:
         """Starts the job and returns its exit code."""
         self._publish(self.plan)
         for rank, name in enumerate(self.plan.ranks):
-            self.agent.spawn(name, "worker")
+            child = self.agent.spawn(name, "worker")
+            self.events.emit("process_spawned", proc=name, pid=child.pid, role="worker", rank=rank)
         for name in self.plan.spares:
-            self.agent.spawn(name, "spare")
+            child = self.agent.spawn(name, "spare")
+            self.events.emit("process_spawned", proc=name, pid=child.pid, role="spare", rank=None)
         while True:
             for child in self.agent.poll():
                 outcome = self._on_exit(child)

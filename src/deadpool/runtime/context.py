@@ -21,10 +21,10 @@ ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_R
 
 
 def wait_for_key(store: dist.Store, key: str, deadline: float, give_up: tuple[str, ...] = (),
-                 stopped: Callable[[], bool] = lambda: False) -> str:
+                 stopped: Callable[[], bool] = lambda: False, max_pause: float = 0.01) -> str:
     """Waits until `key` (or first one of `give_up`) exists in the store and returns which one did.
 
-    Polls with a pause that grows from 0.5 ms to 10 ms: quick when the key is about to appear,
+    Polls with a pause that grows from 0.5 ms to `max_pause`: quick when the key is about to appear,
     cheap when idle, and interruptible (store.wait cannot be interrupted and logs every timeout).
     Raises InterruptedError when `stopped()` and TimeoutError at the deadline.
     """
@@ -38,7 +38,7 @@ def wait_for_key(store: dist.Store, key: str, deadline: float, give_up: tuple[st
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {key}")
         time.sleep(pause)
-        pause = min(2 * pause, 0.01)
+        pause = min(2 * pause, max_pause)
 
 
 def connect(config: JobConfig, timeout_s: float | None = None) -> dist.TCPStore:

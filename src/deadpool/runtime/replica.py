@@ -90,7 +90,9 @@ class ReplicaReceiver:
         """Receives the next snapshot into the slot that does not hold the newest committed step."""
         self.received += 1
         announced = f"{self.prefix}seq/{self.received}"
-        wait_for_key(self.store, announced, float("inf"), stopped=stopped)  # idle between snapshots is normal
+        # idle between snapshots is normal; a 50 ms poll costs the workers' cores little and the
+        # replication of a step has a whole step's time anyway
+        wait_for_key(self.store, announced, float("inf"), stopped=stopped, max_pause=0.05)
         header = torch.zeros(HEADER, dtype=torch.int64)
         _wait(self.group.recv([header], 0, 0), self.timeout_s)
         magic, token, gen, step, meta_len, nbytes, crc = header.tolist()

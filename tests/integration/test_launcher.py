@@ -1,0 +1,76 @@
+"""The launcher's contract with real processes: bad input fails clearly, a spare that dies loses nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from deadpool.config import JobConfig
+from deadpool.errors import ConfigError
+from deadpool.events import read_events
+from deadpool.launcher.launch import launch
+
+from .conftest import TRAIN, Job, run_job
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    taken = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    config = JobConfig(script=str(TRAIN), workers=2, run_dir=str(tmp_path), store_port=taken.port)
+    with pytest.raises(ConfigError, match=f"127.0.0.1:{taken.port}.*--master-port"):
+        launch(config, echo=None)
+    assert not (tmp_path / "events.jsonl").exists()  # nothing was started
+
+
+def test_cli_reports_bad_input_with_exit_code_2(tmp_path):
+    cases = [
+        (["run", "--workers", "0", str(TRAIN)], "--workers must be at least 1"),
+        (["run", "--workers", "2", str(tmp_path / "missing.py")], "does not exist"),
+        (["run", "--fault", "kill:9:3", "--workers", "2", str(TRAIN)], "fault targets rank 9"),
+        (["run", "--decision-timeout", "90", str(TRAIN)], "timeouts must satisfy"),
+    ]
+    for argv, message in cases:
+        command = [sys.executable, "-m", "deadpool.launcher.cli", argv[0], "--out", str(tmp_path / "r"), *argv[1:]]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, (argv, out.stderr)
+        assert message in out.stderr, (argv, out.stderr)
+
+
+def test_every_process_start_is_recorded(tmp_path, reference):
+    spawned = {e["proc"]: e for e in reference.named("process_spawned")}
+    assert {p: (e["role"], e["rank"]) for p, e in spawned.items()} == {
+        "w0": ("worker", 0), "w1": ("worker", 1), "w2": ("worker", 2), "w3": ("worker", 3), "s0": ("spare", None)}
+    started = {e["proc"]: e["pid"] for e in reference.named("process_start")}
+    assert started == {p: e["pid"] for p, e in spawned.items()}
+
+
+def test_a_spare_killed_while_holding_replicas_loses_nothing(tmp_path, reference):
+    """SIGKILL the only spare mid-run: the coordinator re-places replicas (nowhere: no spare left),
+    the workers roll back to the last commit, and the run is still bit-for-bit the reference."""
+    run_dir = tmp_path / "run"
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(job=run_job(run_dir)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until training is under way, then kill the spare
+        events = list(read_events(run_dir / "events.jsonl")) if (run_dir / "events.jsonl").exists() else []
+        if any(e["event"] == "step" and e["step"] >= 4 for e in events):
+            spare = next(e["pid"] for e in events if e["event"] == "process_spawned" and e["proc"] == "s0")
+            os.kill(spare, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    thread.join(120)
+    job: Job = result["job"]
+    assert job.code == 0, job.summary["error"]
+    [lost] = job.named("failure_detected")
+    assert lost["proc"] == "s0" and lost["exit"] == "killed by SIGKILL"
+    assert job.named("plan_published")[-1]["spares"] == []
+    assert job.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
+    assert job.summary["losses"] == reference.summary["losses"]
