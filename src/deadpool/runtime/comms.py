@@ -17,10 +17,15 @@ import torch.distributed as dist
 from deadpool.errors import ProtocolError
 
 
-def pick_backend(requested: str) -> tuple[str, torch.device]:
-    """NCCL and the rank's GPU when there is one, else gloo on the CPU."""
+def pick_backend(requested: str, rank: int) -> tuple[str, torch.device]:
+    """NCCL and this rank's GPU (rank mod GPUs on this host: one GPU per worker) when there is one,
+    else gloo on the CPU. The same code path serves both; only the device differs."""
     use_cuda = requested == "nccl" or (requested == "auto" and torch.cuda.is_available())
-    return ("nccl", torch.device("cuda")) if use_cuda else ("gloo", torch.device("cpu"))
+    if not use_cuda:
+        return "gloo", torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return "nccl", device
 
 
 class CollectiveAborted(RuntimeError):

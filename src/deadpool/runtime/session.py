@@ -76,7 +76,7 @@ class Session:
     def __init__(self, ctx: Context, plan: Any, rank: int, slots: list[Slot] | None = None,
                  target: int | None = None) -> None:
         self.ctx = ctx
-        self.backend, self.device = pick_backend(ctx.config.backend)
+        self.backend, self.device = pick_backend(ctx.config.backend, rank)
         self.plan, self.generation, self.rank = plan, plan.generation, rank
         self.world_size = plan.world_size
         self.step = 0
