@@ -252,9 +252,10 @@ class Session:
             self._adopt(agreement)
             self._restore(agreement.target)
             restored = time.monotonic()
-            cause = self._attempt(lambda: self._resume(agreement.target)) or ""
-            if not cause:
+            failed_again = self._attempt(lambda: self._resume(agreement.target))
+            if failed_again is None:
                 break
+            cause = failed_again  # another failure while rejoining: negotiate the next generation
         done = time.monotonic()
         self.ctx.events.emit("recovered", restored_step=agreement.target, frontier=self._frontier,
                              negotiate_s=agreed - started, restore_s=restored - agreed, rebuild_s=done - restored,

@@ -40,7 +40,6 @@ class _Job:
     step: int
     flat: Flat
     layout: Layout
-    replicate: bool
     ready: torch.cuda.Event | None  # on GPU: marks the training stream's position at capture
 
 
@@ -60,7 +59,7 @@ class SnapshotEngine:
         self._copied = threading.Event()
         self._copied.set()
         self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the running thread's; replaced at every start
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stream = torch.cuda.Stream(device) if self.cuda else None
@@ -71,13 +70,14 @@ class SnapshotEngine:
         """Begins a generation: snapshots of this rank go to plan.holders[rank]."""
         self.gen, self.plan, self.rank, self.committed = gen, plan, rank, committed
         self._prev = committed
-        self._stop.clear()
+        self._stop = threading.Event()  # a fresh one: a thread abandoned earlier keeps its own, still set
         self._error = None
         self._copied.set()
-        self._thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{gen}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name=f"deadpool-snapshot-g{gen}",
+                                        daemon=True)
         self._thread.start()
 
-    def capture(self, step: int, tree: dict[str, Stateful], replicate: bool = True) -> None:
+    def capture(self, step: int, tree: dict[str, Stateful]) -> None:
         """Hands snapshot `step` to the engine; mutable parts are cloned here, the rest copied later."""
         self.wait_copied()
         flat = flatten(tree)
@@ -87,7 +87,7 @@ class SnapshotEngine:
             ready = torch.cuda.Event()
             ready.record()
         self._copied.clear()
-        self._jobs.put(_Job(step, flat, Layout.of(flat.tensors), replicate, ready))
+        self._jobs.put(_Job(step, flat, Layout.of(flat.tensors), ready))
 
     def wait_copied(self) -> float:
         """Blocks until the last capture is in its slot: the only wait training ever pays."""
@@ -129,32 +129,32 @@ class SnapshotEngine:
 
     # ---- engine thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         store = connect(self.ctx.config)  # its own client: blocking waits must not stall training's
         senders: dict[str, ReplicaSender] = {}
         try:
             for holder in self.plan.holders[self.rank]:  # connect now, not in the first snapshot's path
                 self._connect(holder, store, senders)
-            while not self._stop.is_set():
+            while not stop.is_set():
                 try:
                     job = self._jobs.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                self._snapshot(job, store, senders)
+                self._snapshot(job, store, senders, stop)
         except InterruptedError:
             pass
         except BaseException as error:  # latched; the training thread raises it at the next step boundary
-            if not self._stop.is_set():
+            if not stop.is_set():
                 self._error = error
                 self.ctx.events.emit("snapshot_failed", error=f"{type(error).__name__}: {error}")
         finally:
             self._copied.set()
             senders.clear()  # closing the pair groups tells the holders this stream is over
 
-    def _snapshot(self, job: _Job, store: object, senders: dict[str, ReplicaSender]) -> None:
+    def _snapshot(self, job: _Job, store: object, senders: dict[str, ReplicaSender], stop: threading.Event) -> None:
         start = time.monotonic()
-        if job.replicate and self._prev is not None and self._prev != self.committed:
-            if not self._await_commit(self._prev, store, skip=self.ctx.config.backlog_policy == "skip"):
+        if self._prev is not None and self._prev != self.committed:
+            if not self._await_commit(self._prev, store, stop, skip=self.ctx.config.backlog_policy == "skip"):
                 self.ctx.events.emit("snapshot_skipped", step=job.step, reason=f"snapshot {self._prev} not committed yet")
                 self._copied.set()
                 return
@@ -165,11 +165,10 @@ class SnapshotEngine:
         copied = time.monotonic()
         self._copied.set()
         slot.seal(job.step, meta, checksum(meta, slot.data))
-        if job.replicate:
-            self._prev = job.step
-            for holder in self.plan.holders[self.rank]:
-                self._replicate(slot, holder, store, senders)
-            self._mark_durable(job.step, store)
+        self._prev = job.step
+        for holder in self.plan.holders[self.rank]:
+            self._replicate(slot, holder, store, senders)
+        self._mark_durable(job.step, store)
         self.costs.append(time.monotonic() - start)
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, copy_s=copied - start,
                              total_s=time.monotonic() - start, holders=list(self.plan.holders[self.rank]))
@@ -203,14 +202,14 @@ class SnapshotEngine:
             self.ctx.events.emit("replica_rejected", step=slot.step, holder=holder, error=str(error))
             senders[holder].send(slot)
 
-    def _await_commit(self, step: int, store: object, skip: bool) -> bool:
+    def _await_commit(self, step: int, store: object, stop: threading.Event, skip: bool) -> bool:
         """Waits until `step` is committed by all ranks; False at once under the skip policy."""
         marker = self.ctx.keys.commit_marker(self.gen, step)
         if skip and not store.check([marker]):
             return False
         deadline = time.monotonic() + self.ctx.config.collective_timeout_s
         try:
-            wait_for_key(store, marker, deadline, stopped=lambda: self._stop.is_set() or self.aborted())
+            wait_for_key(store, marker, deadline, stopped=lambda: stop.is_set() or self.aborted())
         except TimeoutError:
             raise SwapAborted(f"snapshot {step} was not committed before the collective timeout") from None
         self.committed = step

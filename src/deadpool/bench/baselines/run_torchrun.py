@@ -1,0 +1,135 @@
+"""Launches the torchrun + DCP baseline (torchrun_dcp.py) on the example GPT and returns its events."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SCRIPT = Path(__file__).resolve().with_name("torchrun_dcp.py")
+TIMEOUT_EXIT = 124  # the exit code reported when the run was killed for exceeding timeout_s, as `timeout` does
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The events in file order; a torn last line (a writer killed mid-line) is skipped."""
+    if not path.is_file():
+        return []
+    events = []
+    with open(path) as f:
+        for line in f:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below `root`. torchrun starts each worker in a session of its own, so killing
+    torchrun's process group would miss them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILLs torchrun's process group and every process below torchrun, then reaps torchrun."""
+    victims = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def _kill_stray_workers(events: list[dict[str, Any]]) -> None:
+    """SIGKILLs any worker of this run still alive after torchrun is gone (normally none: torchrun reaps
+    them), found by the pids of their process_start events and checked by command line against reuse."""
+    for pid in {e["pid"] for e in events if e.get("event") == "process_start" and "pid" in e}:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(SCRIPT).encode() in cmdline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def torchrun_command(out_dir: Path, *, workers: int, steps: int, ckpt_every: int, kill: tuple[int, int] | None,
+                     script_args: tuple[str, ...] = (), max_restarts: int = 1) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+           "--max-restarts", str(max_restarts), str(SCRIPT), "--steps", str(steps), "--ckpt-every", str(ckpt_every),
+           "--ckpt-dir", str(out_dir / "ckpt"), "--events", str(out_dir / "events.jsonl"), *script_args]
+    if kill is not None:
+        cmd += ["--kill-rank", str(kill[0]), "--kill-step", str(kill[1])]
+    return cmd
+
+
+def run_torchrun_dcp(out_dir: Path, *, workers: int, steps: int, ckpt_every: int, kill: tuple[int, int] | None,
+                     script_args: tuple[str, ...] = (), timeout_s: float = 300,
+                     share_rdzv_store: bool = False) -> tuple[int, list[dict]]:
+    """Runs the example GPT under torchrun (--standalone, --max-restarts 1) with DCP checkpoints every
+    `ckpt_every` steps; `kill=(rank, step)` makes that rank SIGKILL itself in the backward pass of that
+    step on the first attempt. Returns torchrun's exit code (TIMEOUT_EXIT if it ran past timeout_s and was
+    killed with all its workers) and the events of every rank and attempt, in file order.
+
+    Writes out_dir/events.jsonl, out_dir/ckpt/ (both cleared first: stale checkpoints would be resumed
+    from) and out_dir/torchrun.log (torchrun's and the workers' stdout and stderr).
+
+    share_rdzv_store=False sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's default (the
+    workers reuse the agent's rendezvous TCPStore) a restart on gloo does not recover, as the restarted
+    workers read the previous attempt's addresses from the shared store. True keeps the default, to show it.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    events_path = out_dir / "events.jsonl"
+    events_path.unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "ckpt", ignore_errors=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if share_rdzv_store:
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    else:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    cmd = torchrun_command(out_dir, workers=workers, steps=steps, ckpt_every=ckpt_every, kill=kill,
+                           script_args=script_args)
+    with open(out_dir / "torchrun.log", "wb") as log:
+        log.write((" ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            code = TIMEOUT_EXIT
+            log.write(f"\n[run_torchrun_dcp] killed after {timeout_s} s\n".encode())
+        except BaseException:  # KeyboardInterrupt and the like: leave nothing running
+            _kill_tree(proc)
+            raise
+    events = read_events(events_path)
+    _kill_stray_workers(events)
+    return code, events

@@ -1,0 +1,263 @@
+"""The example GPT trained the conventional way, as the baseline DeadPool's hot swap is compared with.
+
+Plain DDP on gloo, launched by torchrun with `--max-restarts`; every `--ckpt-every` steps a synchronous
+torch.distributed.checkpoint (DCP) save. When a worker dies, torchrun kills the others and restarts all
+of them; they resume from the newest complete checkpoint and replay the steps since. The workload is
+DeadPool's example (examples/gpt: same model, data, sampler, optimizer, seeds, arguments and defaults).
+
+Checkpoint layout, under --ckpt-dir:
+  step-{k}/                DCP checkpoint of {"model", "optim"} (get_state_dict helpers) plus
+  step-{k}/rank{r}.pt      rank r's own state: {"step", "world_size", "sampler", "rng": python/numpy/torch}
+A checkpoint is written into `.tmp-step-{k}` and renamed to `step-{k}` by rank 0 once every rank's files
+and the DCP metadata are written (dcp.save ends collectively, then a barrier), so a directory named
+`step-{k}` is always complete; a kill during a save leaves only a `.tmp-*` directory, which is never
+loaded and is deleted at the next start.
+
+With no checkpoint the job starts fresh (no step-0 checkpoint): the run is seeded, so starting fresh is
+exactly the state a step-0 checkpoint would hold.
+
+Events (JSON lines appended to --events, one os.write each, O_APPEND; all carry "t" = time.monotonic(),
+which is system-wide on Linux, plus "wall" and "pid"): process_start, resumed, step, checkpoint,
+fault_injected, finished. `finished.state_sha256` is documented at `state_sha256` below.
+
+Run: torchrun --standalone --nproc-per-node 4 --max-restarts 1 torchrun_dcp.py --ckpt-dir D --events F
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import deadpool
+
+sys.path.insert(0, str(Path(deadpool.__file__).resolve().parents[2] / "examples" / "gpt"))
+from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # The example's arguments (examples/gpt/train.py), same defaults.
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--data", default=None, help="a UTF-8 text file (default: the Python docs' topics)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1337)
+    # The baseline's own.
+    p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint after every K-th step")
+    p.add_argument("--ckpt-dir", required=True, type=Path)
+    p.add_argument("--events", required=True, type=Path, help="JSON-lines file shared by all ranks and restarts")
+    p.add_argument("--kill-rank", type=int, default=None, help="rank that SIGKILLs itself (first attempt only)")
+    p.add_argument("--kill-step", type=int, default=None, help="step in whose backward pass it does so")
+    args = p.parse_args()
+    if (args.kill_rank is None) != (args.kill_step is None):
+        p.error("--kill-rank and --kill-step go together")
+    if args.ckpt_every < 1:
+        p.error("--ckpt-every must be at least 1")
+    return args
+
+
+class Events:
+    """Appends one JSON object per line with a single write, so lines of many processes never interleave."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.rank = rank
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "rank": self.rank, "attempt": ATTEMPT, "t": time.monotonic(),
+                  "wall": time.time(), "pid": os.getpid(), **fields}
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+
+# ---- per-rank state: data position and random number generators ---------------------------------
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def state_sha256(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler, step: int) -> str:
+    """SHA-256 of one rank's whole training state, fed in this order:
+    1. model.state_dict() (the unwrapped GPT), in key order: per entry the key, dtype and shape as text,
+       then the tensor's raw bytes (the tied embedding/output weight appears under both its keys);
+    2. optimizer.state_dict()["state"], by ascending parameter index, then state name in sorted order
+       ("exp_avg", "exp_avg_sq", "step"): "{index}.{name}", dtype, shape, raw bytes;
+       then json.dumps(param_groups, sort_keys=True);
+    3. json.dumps(sampler.state_dict(), sort_keys=True);
+    4. RNG states: json.dumps(random.getstate()); NumPy's (name, pos, has_gauss, cached_gaussian) as JSON
+       then its key array's bytes; torch.get_rng_state() bytes;
+    5. the step, as text "step={step}".
+    Equal on two runs only if the state is bit-identical."""
+    h = hashlib.sha256()
+
+    def tensor(label: str, t: torch.Tensor) -> None:
+        h.update(f"{label}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    for key, value in model.state_dict().items():
+        tensor(key, value)
+    optim = optimizer.state_dict()
+    for index in sorted(optim["state"]):
+        for name in sorted(optim["state"][index]):
+            value = optim["state"][index][name]
+            if isinstance(value, torch.Tensor):
+                tensor(f"{index}.{name}", value)
+            else:
+                h.update(f"{index}.{name}={json.dumps(value)}".encode())
+    h.update(json.dumps(optim["param_groups"], sort_keys=True, default=str).encode())
+    h.update(json.dumps(sampler.state_dict(), sort_keys=True).encode())
+    h.update(json.dumps(random.getstate()).encode())
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    h.update(json.dumps([name, int(pos), int(has_gauss), float(cached)]).encode())
+    h.update(np.ascontiguousarray(keys).tobytes())
+    h.update(torch.get_rng_state().numpy().tobytes())
+    h.update(f"step={step}".encode())
+    return h.hexdigest()
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+def _rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.pt"
+
+
+def newest_checkpoint(ckpt_dir: Path, world_size: int) -> tuple[int, Path] | None:
+    """The newest complete checkpoint: a renamed `step-{k}` directory with DCP metadata and every rank's file."""
+    found = []
+    for d in ckpt_dir.glob("step-*"):
+        try:
+            step = int(d.name.removeprefix("step-"))
+        except ValueError:
+            continue
+        if (d / ".metadata").is_file() and all(_rank_file(d, r).is_file() for r in range(world_size)):
+            found.append((step, d))
+    return max(found) if found else None
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    sampler: BatchSampler, rank: int, world_size: int) -> None:
+    """Synchronous and atomic: everything goes to `.tmp-step-{step}`, renamed by rank 0 when all is written."""
+    tmp, final = ckpt_dir / f".tmp-step-{step}", ckpt_dir / f"step-{step}"
+    tmp.mkdir(parents=True, exist_ok=True)  # every rank, before anyone writes: no race on creation
+    torch.save({"step": step, "world_size": world_size, "sampler": sampler.state_dict(), "rng": rng_state()},
+               _rank_file(tmp, rank))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # collective; rank 0 writes .metadata
+    dist.barrier()  # every rank's rank{r}.pt and shards are on disk
+    if rank == 0:
+        if final.exists():  # only possible if an older world size left one; never a newer state than ours
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic: `step-{k}` appears complete or not at all
+
+
+def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    sampler: BatchSampler, rank: int, world_size: int) -> int:
+    own = torch.load(_rank_file(directory, rank), weights_only=False)  # our own file: numpy RNG state inside
+    if own["world_size"] != world_size:
+        raise RuntimeError(f"{directory} was written by {own['world_size']} ranks, this job has {world_size}")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sampler.load_state_dict(own["sampler"])
+    set_rng_state(own["rng"])  # last: nothing after this may draw random numbers before training resumes
+    return int(own["step"])
+
+
+# ---- training -----------------------------------------------------------------------------------
+
+def main() -> None:
+    args = parse_args()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    events = Events(args.events, rank)
+    events.emit("process_start", world_size=world_size)
+
+    text = load_text(args.data)
+    tokenizer = CharTokenizer(text)
+    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    gpt = GPT(config)
+    model = torch.nn.parallel.DistributedDataParallel(gpt)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    sampler = BatchSampler(num_tokens=len(tokens), block_size=args.block_size, batch_size=args.batch_size,
+                           rank=rank, world_size=world_size, seed=args.seed)
+
+    current = {"step": 0}
+    if args.kill_rank == rank and ATTEMPT == 0:
+        def kill(grad: torch.Tensor) -> None:
+            if current["step"] == args.kill_step:
+                events.emit("fault_injected", kind="kill", target_rank=rank, step=current["step"])
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        params = [p for p in gpt.parameters() if p.requires_grad]
+        params[len(params) // 2].register_hook(kill)  # fires midway through backward, as DeadPool's does
+
+    if rank == 0:  # leftovers of a save that was interrupted
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in args.ckpt_dir.glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    start = 1
+    newest = newest_checkpoint(args.ckpt_dir, world_size)
+    if newest is not None:
+        t0 = time.monotonic()
+        loaded = load_checkpoint(newest[1], model, optimizer, sampler, rank, world_size)
+        start = loaded + 1
+        events.emit("resumed", from_step=loaded, load_s=time.monotonic() - t0, path=str(newest[1]))
+
+    for step in range(start, args.steps + 1):
+        t0 = time.monotonic()
+        current["step"] = step
+        x, y = make_batch(tokens, sampler.next_batch(), args.block_size)
+        _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        value = loss.item()
+        t1 = time.monotonic()
+        events.emit("step", step=step, loss=value, dur_s=t1 - t0, t=t1)
+        if step % args.ckpt_every == 0:
+            save_checkpoint(args.ckpt_dir, step, model, optimizer, sampler, rank, world_size)
+            t2 = time.monotonic()
+            events.emit("checkpoint", step=step, save_s=t2 - t1, t=t2)
+
+    events.emit("finished", step=args.steps, state_sha256=state_sha256(gpt, optimizer, sampler, args.steps))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

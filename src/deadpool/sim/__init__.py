@@ -1,0 +1,1 @@
+"""Cluster-scale goodput model: checkpoint-restart, replica dropping and hot swap, closed form and Monte Carlo."""

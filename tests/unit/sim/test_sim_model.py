@@ -1,0 +1,213 @@
+"""Tests for deadpool/sim: the closed forms against exact special cases, the Monte Carlo against the closed forms."""
+
+import argparse
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from deadpool.coordinator.policy import initial_plan, plan_after_failure
+from deadpool.sim import cli
+from deadpool.sim.model import (DAY, ClusterParams, analytic_goodput, checkpoint_restart_goodput, erlang_b,
+                                hot_swap_goodput, replica_drop_goodput, simulate, spare_load, spares_needed,
+                                stalls_per_day)
+
+SWEEP = (1024, 4096, 16384, 65536, 100000)
+
+
+def within(estimate, expected: float, sigmas: float = 3.0) -> bool:
+    return abs(estimate.mean - expected) <= sigmas * estimate.stderr
+
+
+# ---- exact special cases -----------------------------------------------------------------------------------
+
+def test_without_failures_goodput_is_one_minus_checkpoint_overhead_exactly():
+    p = ClusterParams(gpus=1024, mttf_hours_at_1024=math.inf, ckpt_interval_s=570.0, ckpt_cost_s=30.0)
+    assert analytic_goodput(p) == {"checkpoint_restart": pytest.approx(0.95, abs=1e-15), "replica_drop": 1.0,
+                                   "hot_swap": 1.0}
+    mc = simulate(p, days=30, runs=2)  # 30 days are exactly 4,320 cycles of 570 s work + 30 s checkpoint
+    assert mc.failures == 0
+    assert mc.goodput["checkpoint_restart"].mean == pytest.approx(0.95, abs=1e-12)
+    assert mc.goodput["replica_drop"].mean == mc.goodput["hot_swap"].mean == 1.0
+
+
+def test_checkpoint_restart_without_costs_is_the_exponential_renewal_formula():
+    p = ClusterParams(gpus=16384, ckpt_interval_s=600.0, ckpt_cost_s=0.0, restart_s=0.0)
+    x = p.failure_rate * 600.0
+    assert checkpoint_restart_goodput(p) == pytest.approx(x / math.expm1(x), rel=1e-12)
+
+
+def test_checkpoint_restart_matches_first_order_when_failures_are_rare():
+    p = ClusterParams(gpus=1024, mttf_hours_at_1024=7900.0, ckpt_interval_s=1800.0, ckpt_cost_s=30.0,
+                      restart_s=300.0)
+    first_order = 1 - 30 / 1830 - p.failure_rate * (1830 / 2 + 300)
+    assert checkpoint_restart_goodput(p) == pytest.approx(first_order, abs=1e-6)
+
+
+def test_checkpoint_restart_stays_a_fraction_where_first_order_goes_negative():
+    p = ClusterParams(gpus=100000, ckpt_interval_s=1800.0)
+    assert 1 - p.failure_rate * (1800 / 2 + p.restart_s) < 0
+    assert 0 < checkpoint_restart_goodput(p) < 0.01
+
+
+def test_hot_swap_limits_are_checkpoint_restart_and_pure_swap_cost():
+    p = ClusterParams(gpus=65536, ckpt_interval_s=600.0)
+    assert hot_swap_goodput(replace(p, spares=0)) == pytest.approx(
+        checkpoint_restart_goodput(replace(p, ckpt_cost_s=0.0)), rel=1e-12)
+    assert hot_swap_goodput(replace(p, spares=200)) == pytest.approx(math.exp(-p.failure_rate * p.swap_s), rel=1e-12)
+
+
+def test_swap_cost_is_the_measured_phases_plus_half_a_step():
+    assert ClusterParams(gpus=1024, step_s=2.0).swap_s == pytest.approx(0.08 + 0.001 + 0.48 + 0.19 + 0.02 + 1.0)
+
+
+def test_failure_rate_scales_inversely_from_7_9_hours_at_1024_gpus():
+    assert ClusterParams(gpus=1024).mttf_s == pytest.approx(7.9 * 3600)
+    assert ClusterParams(gpus=65536).mttf_s == pytest.approx(7.9 * 3600 / 64)
+
+
+def test_young_daly_interval_by_default_but_never_below_a_step():
+    p = ClusterParams(gpus=1024, ckpt_cost_s=30.0)
+    assert p.interval_s == pytest.approx(math.sqrt(2 * 30.0 * p.mttf_s))
+    assert replace(p, ckpt_cost_s=0.0).interval_s == p.step_s
+    assert replace(p, ckpt_interval_s=900.0).interval_s == 900.0
+
+
+# ---- Monte Carlo against the closed forms ------------------------------------------------------------------
+
+@pytest.mark.parametrize("params", [
+    ClusterParams(gpus=16384, ckpt_interval_s=600.0, restart_s=120.0),
+    ClusterParams(gpus=100000),  # goodput ~0.2: far outside the first-order regime
+], ids=["16k", "100k"])
+def test_monte_carlo_checkpoint_restart_within_three_standard_errors(params):
+    mc = simulate(params, days=30, runs=12, seed=1)
+    assert within(mc.goodput["checkpoint_restart"], checkpoint_restart_goodput(params))
+
+
+@pytest.mark.parametrize("spares", [0, 60], ids=["no-spares", "never-short"])
+def test_monte_carlo_hot_swap_within_three_standard_errors_where_the_closed_form_is_exact(spares):
+    p = ClusterParams(gpus=65536, ckpt_interval_s=600.0, spares=spares)
+    mc = simulate(p, days=30, runs=12, seed=2)
+    assert within(mc.goodput["hot_swap"], hot_swap_goodput(p))
+
+
+def test_monte_carlo_replica_drop_within_three_standard_errors():
+    p = ClusterParams(gpus=16384, mttf_hours_at_1024=1.0, replica_group_nodes=16)
+    assert replica_drop_goodput(p) < 0.9  # a fifth of groups out at times: the check has teeth
+    mc = simulate(p, days=30, runs=12, seed=3)
+    assert within(mc.goodput["replica_drop"], replica_drop_goodput(p))
+
+
+def test_monte_carlo_is_deterministic_given_its_seed():
+    p = ClusterParams(gpus=4096)
+    assert simulate(p, days=2, runs=2, seed=7) == simulate(p, days=2, runs=2, seed=7)
+    assert simulate(p, days=2, runs=2, seed=7) != simulate(p, days=2, runs=2, seed=8)
+
+
+# ---- spares: Erlang B, its Monte Carlo, the fewest spares ---------------------------------------------------
+
+@pytest.mark.parametrize("servers, load", [(0, 3.0), (1, 0.5), (4, 2.0), (10, 5.0), (30, 12.4)])
+def test_erlang_b_recursion_equals_the_direct_formula(servers, load):
+    terms = [load ** k / math.factorial(k) for k in range(servers + 1)]
+    assert erlang_b(servers, load) == pytest.approx(terms[-1] / sum(terms), rel=1e-12)
+
+
+@pytest.mark.parametrize("spares", [2, 4])
+def test_monte_carlo_stalls_match_erlang_b(spares):
+    p = ClusterParams(gpus=16384, spares=spares, spare_replenish_s=3554.0)  # load ~2 Erlangs
+    blocked = erlang_b(spares, spare_load(p))
+    assert 0.05 < blocked < 0.5
+    mc = simulate(p, days=30, runs=12, seed=4)
+    assert within(mc.blocked, blocked)
+    assert within(mc.stalls_per_day, stalls_per_day(p))
+
+
+@pytest.mark.parametrize("gpus", SWEEP)
+def test_spares_needed_is_the_fewest_under_the_target(gpus):
+    p = ClusterParams(gpus=gpus)
+    need = spares_needed(p, per_day=1e-3)
+    assert stalls_per_day(replace(p, spares=need)) < 1e-3 <= stalls_per_day(replace(p, spares=need - 1))
+
+
+def test_spares_needed_cross_checked_by_monte_carlo_at_a_measurable_target():
+    p = ClusterParams(gpus=65536)
+    need = spares_needed(p, per_day=0.5)
+    enough, short = (simulate(replace(p, spares=s), days=30, runs=12, seed=5) for s in (need, need - 1))
+    assert within(enough.stalls_per_day, stalls_per_day(replace(p, spares=need)))
+    assert within(short.stalls_per_day, stalls_per_day(replace(p, spares=need - 1)))
+    assert enough.stall_days.mean <= enough.stalls_per_day.mean  # P(a stall in a day) <= stalls per day
+    assert short.stalls_per_day.mean > enough.stalls_per_day.mean
+
+
+def test_no_failures_need_no_spares():
+    assert spares_needed(ClusterParams(gpus=1024, mttf_hours_at_1024=math.inf)) == 0
+
+
+def test_pool_rule_is_the_coordinator_policy():
+    """The simulator swaps whenever a spare is idle: plan_after_failure agrees, as replicas are re-placed on
+    the remaining spares after every swap."""
+    plan = initial_plan(6, ("s0", "s1", "s2"))
+    alive = set(plan.ranks) | set(plan.spares)
+    for rank in range(5):
+        failed = plan.ranks[rank]
+        alive.discard(failed)
+        decision = plan_after_failure(plan, failed, alive)
+        assert decision.ok == bool(plan.spares), decision.reason
+        plan = decision.value if decision.ok else plan
+
+
+# ---- input validation --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, message", [
+    ({"gpus": 0}, "gpus"),
+    ({"gpus": True}, "gpus"),
+    ({"gpus": 1000, "gpus_per_node": 16}, "multiple of gpus_per_node"),
+    ({"gpus": 1024, "replica_group_nodes": 3}, "replica groups"),
+    ({"gpus": 1024, "spares": -1}, "spares"),
+    ({"gpus": 1024, "spares": 1.5}, "spares"),
+    ({"gpus": 1024, "mttf_hours_at_1024": 0.0}, "mttf_hours_at_1024"),
+    ({"gpus": 1024, "mttf_hours_at_1024": math.nan}, "mttf_hours_at_1024"),
+    ({"gpus": 1024, "step_s": math.inf}, "step_s"),
+    ({"gpus": 1024, "ckpt_interval_s": 0.0}, "ckpt_interval_s"),
+    ({"gpus": 1024, "ckpt_cost_s": -1.0}, "ckpt_cost_s"),
+    ({"gpus": 1024, "restart_s": "300"}, "restart_s"),
+])
+def test_bad_params_raise_value_error_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterParams(**fields)
+
+
+@pytest.mark.parametrize("days, runs, message", [(0.5, 4, "days"), (30, 1, "runs"), (30, True, "runs")])
+def test_bad_simulation_settings_raise_value_error(days, runs, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(ClusterParams(gpus=1024), days=days, runs=runs)
+
+
+def test_bad_stall_target_raises_value_error():
+    with pytest.raises(ValueError, match="per_day"):
+        spares_needed(ClusterParams(gpus=1024), per_day=0.0)
+
+
+# ---- the command -------------------------------------------------------------------------------------------
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="deadpool")
+    cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["simulate", *argv])
+
+
+def test_command_prints_tables_and_writes_json(tmp_path, capsys):
+    assert cli.main(parse(["--gpus", "1024", "--gpus", "4096", "--days", "2", "--runs", "2", "--out",
+                           str(tmp_path)])) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint-restart" in out and "spares needed" in out
+    sizes = json.loads((tmp_path / "simulate.json").read_text())["sizes"]
+    assert [s["gpus"] for s in sizes] == [1024, 4096]
+    assert sizes[1]["params"]["spares"] == sizes[1]["spares_needed"]
+    assert sizes[0]["stalls_per_day_needed"] < 1e-3
+
+
+def test_command_reports_bad_input_with_exit_code_2(capsys):
+    assert cli.main(parse(["--gpus", "1000", "--gpus-per-node", "16"])) == 2
+    assert "multiple of gpus_per_node" in capsys.readouterr().err
