@@ -34,8 +34,9 @@ def test_sigkill_in_any_phase_is_hot_swapped_bit_for_bit(tmp_path, reference, ph
     [recovery] = job.summary["recoveries"]
     assert recovery["failed_rank"] == 1 and recovery["replaced"] == {"1": "s0"}
     assert recovery["kill_step"] == 6
-    # the newest committed snapshot is 5, or 4 when 5 was still replicating at the kill
-    assert recovery["restored_step"] in (4, 5)
+    # Bound from the slot-reuse rule: optimizer step 5 waited for snapshot 4's copy, which waited for
+    # snapshot 3's commit; so step 3 is committed at the kill, 4 and 5 may be (load decides)
+    assert recovery["restored_step"] in (3, 4, 5)
     assert recovery["steps_replayed"] == 5 - recovery["restored_step"]
     # every rank (survivors and the spare) resumed from the same step, under the new generation
     resumed = {e["rank"]: e["restored_step"] for e in job.named("recovered")}

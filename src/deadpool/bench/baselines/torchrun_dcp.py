@@ -199,10 +199,10 @@ def main() -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    events = Events(args.events, int(os.environ["RANK"]))  # torchrun sets RANK and WORLD_SIZE
+    events.emit("process_start", world_size=int(os.environ["WORLD_SIZE"]))  # before the group: a failed join shows
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    events = Events(args.events, rank)
-    events.emit("process_start", world_size=world_size)
 
     text = load_text(args.data)
     tokenizer = CharTokenizer(text)
