@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
 from deadpool.demo import EXAMPLE
 from deadpool.events import read_events
@@ -23,7 +24,8 @@ def measure(run_dir: Path) -> dict[str, Any]:
     events = list(read_events(run_dir / "events.jsonl"))
     steps = [e for e in events if e["event"] == "step" and e["step"] > CALIBRATION_STEPS]
     chosen = [e["every"] for e in events if e["event"] == "snapshot_interval"]
-    return {"median_step_s": statistics.median(e["dur_s"] for e in steps),
+    return {"durations": [e["dur_s"] for e in steps],
+            "median_step_s": statistics.median(e["dur_s"] for e in steps),
             "wait_fraction": sum(e["wait_s"] for e in steps) / sum(e["dur_s"] for e in steps),
             "chosen_every": chosen[0] if chosen else None}
 
@@ -60,6 +62,7 @@ def bench_overhead(args: argparse.Namespace) -> int:
                   f"median step {rounds[variant][-1]['median_step_s'] * 1e3:.1f} ms", flush=True)
     rows = summarize(rounds)
     (out / "overhead.json").write_text(json.dumps(rows, indent=2))
+    plot = plot_overhead(out, {str(v): [d for r in runs for d in r["durations"]] for v, runs in rounds.items()})
     print(f"\n{args.workers} workers + {args.spares} spare, {args.steps} steps, {args.rounds} interleaved rounds "
           f"(steps after {CALIBRATION_STEPS}, all ranks)")
     print(f"{'snapshot-every':>15} {'median step':>12} {'ratio':>7} {'spread (min..max of rounds)':>30} {'wait':>8}")
@@ -68,5 +71,5 @@ def bench_overhead(args: argparse.Namespace) -> int:
         label = f"auto={row['chosen_every']}" if row["snapshot_every"] == "auto" else str(row["snapshot_every"])
         print(f"{label:>15} {row['median_step_s'] * 1e3:>9.1f} ms {row['ratio']:>7.3f} {spread:>30} "
               f"{row['wait_fraction']:>8.2%}")
-    print(f"written: {out / 'overhead.json'}")
+    print(f"written: {out / 'overhead.json'}, {plot}")
     return 0
