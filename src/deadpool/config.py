@@ -10,7 +10,7 @@ from pathlib import Path
 from deadpool.errors import ConfigError
 
 FAULT_KINDS = ("kill", "corrupt_replica")
-FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate")
+FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate", "recovery")
 BACKLOG_POLICIES = ("wait", "skip")
 
 
@@ -19,7 +19,9 @@ class Fault:
     """One injected fault: `kind` hits `rank` in `phase` of `step`, once per job.
 
     `kill` SIGKILLs the process running that rank; `corrupt_replica` flips a byte of the
-    replica of that rank's snapshot `step` in its holder's memory (phase is ignored).
+    replica of that rank's snapshot `step` in its holder's memory (phase is ignored). Phase
+    `recovery` fires while the rank recovers from another failure that struck during `step`
+    (after it left the old group, before it reports its snapshots).
     """
 
     kind: str

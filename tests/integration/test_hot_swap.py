@@ -56,6 +56,18 @@ def test_two_failures_with_two_spares(tmp_path, reference):
     assert first["replaced"] == {"1": "s1"} and second["replaced"] == {"3": "s0"}
 
 
+def test_a_second_kill_in_the_middle_of_a_recovery(tmp_path, reference):
+    """Rank 2 dies while the job recovers from rank 1's death: the coordinator abandons generation 1
+    for generation 2, both spares take over, and the run is still bit-for-bit the reference."""
+    faults = (Fault(kind="kill", rank=1, step=5, phase="backward"), Fault(kind="kill", rank=2, step=5, phase="recovery"))
+    job = run_job(tmp_path, spares=2, faults=faults)
+    assert_same_training(job, reference)
+    assert [e["failed_rank"] for e in job.named("failure_detected")] == [1, 2]
+    [swap] = job.summary["recoveries"]  # one recovery, completed in generation 2
+    assert swap["generation"] == 2 and swap["replaced"] == {"1": "s1", "2": "s0"}
+    assert {e["gen"] for e in job.named("recovered")} == {2}
+
+
 def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
     faults = (Fault(kind="kill", rank=1, step=3, phase="backward"), Fault(kind="kill", rank=2, step=6, phase="backward"))
     started = time.monotonic()

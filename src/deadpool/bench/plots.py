@@ -9,7 +9,7 @@ from typing import Any
 MILESTONES: dict[str, list[tuple[str, str]]] = {
     "deadpool": [("failure_detected", "detect"), ("plan_published", "decide"), ("restore_decided", "report"),
                  ("swap_complete", "restore + rebuild")],
-    "torchrun": [("process_start", "restart processes"), ("resumed", "load checkpoint")],
+    "torchrun": [("process_start", "restart processes"), ("resumed", "rendezvous + load checkpoint")],
 }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from deadpool.config import FAULT_PHASES, Fault, JobConfig
 from deadpool.errors import ConfigError
+from deadpool.sim import cli as sim_cli
 
 
 def parse_fault(text: str) -> Fault:
@@ -88,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--steps", type=int, default=40)
     overhead.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of each variant")
     overhead.add_argument("--out", type=Path, default=None)
+    recovery = bench_sub.add_parser("recovery", help="hot swap vs torchrun + DCP restart, and recovery vs scale")
+    recovery.add_argument("--workers", type=int, default=4)
+    recovery.add_argument("--steps", type=int, default=30)
+    recovery.add_argument("--kill-rank", type=int, default=1)
+    recovery.add_argument("--kill-step", type=int, default=25, help="step in whose backward pass the rank dies")
+    recovery.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: DCP checkpoint interval")
+    recovery.add_argument("--reps", type=int, default=3)
+    recovery.add_argument("--no-scaling", action="store_true", help="skip recovery vs world size and state size")
+    recovery.add_argument("--out", type=Path, default=None)
+    sim_cli.add_parser(sub)
     return parser
 
 
@@ -101,10 +112,16 @@ def main(argv: list[str] | None = None) -> int:
             code, _ = launch(job_config(args, args.script, args.script_args, out))
             print(f"[deadpool] run directory: {out}", flush=True)
             return code
+        if args.command == "simulate":
+            return sim_cli.main(args)
         if args.command == "demo":
             from deadpool.demo import demo
 
             return demo(args)
+        if args.bench == "recovery":
+            from deadpool.bench.recovery import bench_recovery
+
+            return bench_recovery(args)
         from deadpool.bench.overhead import bench_overhead
 
         return bench_overhead(args)

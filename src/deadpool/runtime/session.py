@@ -243,6 +243,7 @@ class Session:
         self.ctx.events.emit("failure_seen", cause=cause, step=self.step)
         while True:
             self._teardown()
+            self.ctx.faults.kill_point("recovery", self.step + 1)
             try:
                 agreement = negotiate(self.ctx, self.generation, self.engine.intact_steps,
                                       self.ctx.config.decision_timeout_s)

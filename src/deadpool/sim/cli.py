@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, nargs="+", action="extend", metavar="N",
                    help=f"cluster sizes, repeatable (default: {' '.join(map(str, DEFAULT_GPUS))})")
     for flag, (field, kind, text) in _FLAGS.items():
-        p.add_argument(flag, type=kind, default=_DEFAULTS[field], help=f"{text} (default: {_DEFAULTS[field]})")
+        shown = "" if _DEFAULTS[field] is None else f" (default: {_DEFAULTS[field]})"
+        p.add_argument(flag, type=kind, default=_DEFAULTS[field], help=text + shown)
     p.add_argument("--spares", type=int, default=None, help="hot-swap spares (default: the fewest for --stall-target)")
     p.add_argument("--stall-target", type=float, default=1e-3, help="stalls per day to stay under (default: 0.001)")
     p.add_argument("--days", type=float, default=30.0, help="Monte Carlo horizon per run (default: 30)")
@@ -73,7 +74,8 @@ def _goodput_table(rows: list[dict]) -> str:
 
 
 def _spares_table(rows: list[dict], target: float) -> str:
-    lines = [f"Spares for hot swap (Erlang loss: a used spare is gone for {rows[0]['params']['spare_replenish_s']:.0f} s;"
+    gone = rows[0]["params"]["spare_replenish_s"]
+    lines = [f"Spares for hot swap (Erlang loss: a used spare is gone for {gone:.0f} s;"
              f" a stall is a failure that finds no idle spare; target < {target:g} stalls/day)",
              f"{'GPUs':>7} {'failures/day':>12} {'load (Erl)':>10} {'spares needed':>13} {'stalls/day':>10} "
              f"{'with one fewer':>14}   Monte Carlo at the spares simulated"]

@@ -47,7 +47,7 @@ def test_row_sees_a_different_final_state_or_loss():
 
 
 def test_timeline_of_a_restart():
-    assert timeline(torchrun_like()) == [("restart processes", 0.0, 1.5), ("load checkpoint", 1.5, 2.5),
+    assert timeline(torchrun_like()) == [("restart processes", 0.0, 1.5), ("rendezvous + load checkpoint", 1.5, 2.5),
                                          ("to next step", 2.5, 3.5), ("replay to kill step", 3.5, 5.5)]
 
 

@@ -24,7 +24,7 @@ def test_parse_fault(text, fault):
 
 
 FORMAT = ("expected KIND:RANK:STEP[:PHASE], e.g. kill:2:15:backward "
-          "(phases: step_start, forward, backward, after_optimizer, snapshot_copy, replicate)")
+          "(phases: step_start, forward, backward, after_optimizer, snapshot_copy, replicate, recovery)")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -37,7 +37,7 @@ FORMAT = ("expected KIND:RANK:STEP[:PHASE], e.g. kill:2:15:backward "
     ("explode:1:2", "fault kind 'explode' is not one of ('kill', 'corrupt_replica')"),
     ("kill:1:0", "fault needs rank >= 0 and step >= 1, got rank=1 step=0"),
     ("kill:1:2:sideways", "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', "
-                          "'after_optimizer', 'snapshot_copy', 'replicate')"),
+                          "'after_optimizer', 'snapshot_copy', 'replicate', 'recovery')"),
 ])
 def test_parse_fault_rejects(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(message)}$"):

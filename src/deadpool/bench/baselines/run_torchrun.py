@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -12,22 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deadpool.events import read_events
+
 SCRIPT = Path(__file__).resolve().with_name("torchrun_dcp.py")
 TIMEOUT_EXIT = 124  # the exit code reported when the run was killed for exceeding timeout_s, as `timeout` does
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The events in file order; a torn last line (a writer killed mid-line) is skipped."""
-    if not path.is_file():
-        return []
-    events = []
-    with open(path) as f:
-        for line in f:
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
 
 
 def _descendants(root: int) -> list[int]:
@@ -130,6 +117,6 @@ def run_torchrun_dcp(out_dir: Path, *, workers: int, steps: int, ckpt_every: int
         except BaseException:  # KeyboardInterrupt and the like: leave nothing running
             _kill_tree(proc)
             raise
-    events = read_events(events_path)
+    events = list(read_events(events_path)) if events_path.is_file() else []
     _kill_stray_workers(events)
     return code, events

@@ -14,11 +14,15 @@ and the DCP metadata are written (dcp.save ends collectively, then a barrier), s
 loaded and is deleted at the next start.
 
 With no checkpoint the job starts fresh (no step-0 checkpoint): the run is seeded, so starting fresh is
-exactly the state a step-0 checkpoint would hold.
+exactly the state a step-0 checkpoint would hold. A resumed job restores model, optimizer, data position
+and RNG states, and does one throw-away forward/backward so DDP rebuilds the gradient buckets of the
+uninterrupted run (see `rebuild_ddp_buckets`): the replay is then bit-identical to a run without failure.
 
 Events (JSON lines appended to --events, one os.write each, O_APPEND; all carry "t" = time.monotonic(),
-which is system-wide on Linux, plus "wall" and "pid"): process_start, resumed, step, checkpoint,
-fault_injected, finished. `finished.state_sha256` is documented at `state_sha256` below.
+which is system-wide on Linux, plus "rank", "attempt" (TORCHELASTIC_RESTART_COUNT), "wall" and "pid"):
+process_start (before joining the process group), resumed (from_step, load_s: DCP and per-rank load,
+warmup_s: the bucket warm-up), step (step, loss, dur_s; t at the step's end), checkpoint (step, save_s),
+fault_injected, finished (step, state_sha256). `finished.state_sha256` is documented at `state_sha256` below.
 
 Run: torchrun --standalone --nproc-per-node 4 --max-restarts 1 torchrun_dcp.py --ckpt-dir D --events F
 """
@@ -179,7 +183,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer
 
 
 def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    sampler: BatchSampler, rank: int, world_size: int) -> int:
+                    sampler: BatchSampler, rank: int, world_size: int) -> tuple[int, dict[str, Any]]:
+    """Restores model, optimizer and data position; returns the step and this rank's RNG states, which the
+    caller sets last (after the DDP warm-up, which draws random numbers)."""
     own = torch.load(_rank_file(directory, rank), weights_only=False)  # our own file: numpy RNG state inside
     if own["world_size"] != world_size:
         raise RuntimeError(f"{directory} was written by {own['world_size']} ranks, this job has {world_size}")
@@ -188,8 +194,26 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sampler.load_state_dict(own["sampler"])
-    set_rng_state(own["rng"])  # last: nothing after this may draw random numbers before training resumes
-    return int(own["step"])
+    return int(own["step"]), own["rng"]
+
+
+def rebuild_ddp_buckets(model: torch.nn.parallel.DistributedDataParallel, tokens: torch.Tensor,
+                        block_size: int) -> None:
+    """One throw-away forward and backward (one sequence; gradients discarded, no optimizer step), so the
+    replay reduces gradients in the same buckets as the run it repeats.
+
+    DDP starts with all gradients in a single bucket and, after the first backward, rebuilds its buckets
+    in the order the gradients became ready. An uninterrupted run reduces step 1 in the initial bucket and
+    every later step in the rebuilt ones; a resumed job would reduce its first step in the initial bucket.
+    A different bucket layout changes where each element falls in gloo's ring all-reduce and so the order
+    in which the ranks' values are summed: with more than 2 ranks (2 values add commutatively) the replay
+    then drifts in the last bits (observed with 4 ranks: losses differ from step 25 on). The throw-away
+    pass records the same ready order, and the first replayed step's forward rebuilds the same buckets.
+    It draws dropout random numbers: the caller restores the RNG states after it."""
+    x, y = make_batch(tokens, [0], block_size)
+    _, loss = model(x, y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 # ---- training -----------------------------------------------------------------------------------
@@ -234,9 +258,13 @@ def main() -> None:
     newest = newest_checkpoint(args.ckpt_dir, world_size)
     if newest is not None:
         t0 = time.monotonic()
-        loaded = load_checkpoint(newest[1], model, optimizer, sampler, rank, world_size)
+        loaded, rng = load_checkpoint(newest[1], model, optimizer, sampler, rank, world_size)
+        t1 = time.monotonic()
+        rebuild_ddp_buckets(model, tokens, args.block_size)
+        set_rng_state(rng)  # last: nothing may draw random numbers between this and the first replayed step
         start = loaded + 1
-        events.emit("resumed", from_step=loaded, load_s=time.monotonic() - t0, path=str(newest[1]))
+        t2 = time.monotonic()
+        events.emit("resumed", from_step=loaded, load_s=t1 - t0, warmup_s=t2 - t1, path=str(newest[1]))
 
     for step in range(start, args.steps + 1):
         t0 = time.monotonic()
