@@ -97,7 +97,7 @@ class Standby:
                 sys.exit(0)
             if ctx.store.check([ctx.keys.generation()]) and ctx.generation() > gen:
                 return ctx.generation()
-            time.sleep(ctx.config.poll_interval_s * 5)
+            time.sleep(ctx.config.poll_interval_s)
 
     def _stop_receivers(self) -> None:
         for receiver in self.receivers:

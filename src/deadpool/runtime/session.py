@@ -10,6 +10,7 @@ generation) unwinds to that loop, which recovers and goes on:
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import random
@@ -129,6 +130,9 @@ class Session:
         from failures on the way. train_step may return the loss (a tensor or a float)."""
         if not self._tree:
             raise ConfigError("call session.register(model=..., optimizer=..., ...) before session.run()")
+        # Everything built so far (torch, the model, the data) lives as long as the run: freezing it keeps it
+        # out of the gc.collect() in leave_group, which otherwise walks it all (0.2-0.4 s) while recovering.
+        gc.freeze()
         cause = self._attempt(self._begin)
         while cause or self.step < steps:
             if cause:

@@ -58,7 +58,7 @@ class SnapshotEngine:
         self.costs: list[float] = []  # engine busy seconds per snapshot (copy + checksum + replicate)
         self._copied = threading.Event()
         self._copied.set()
-        self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=1)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self._stop = threading.Event()  # the running thread's; replaced at every start
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -112,6 +112,10 @@ class SnapshotEngine:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stops the thread (bounded); a slot it was writing stays unsealed and is never restored."""
         self._stop.set()
+        try:
+            self._jobs.put_nowait(None)  # wakes the thread at once if it is waiting for work
+        except queue.Full:
+            pass  # a job is queued, so the thread is busy: it sees the stop before taking the next one
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -140,7 +144,8 @@ class SnapshotEngine:
                     job = self._jobs.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                self._snapshot(job, store, senders, stop)
+                if job is not None:  # None: the wake-up stop() sends
+                    self._snapshot(job, store, senders, stop)
         except InterruptedError:
             pass
         except BaseException as error:  # latched; the training thread raises it at the next step boundary

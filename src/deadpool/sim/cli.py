@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +24,21 @@ _FLAGS = {"--gpus-per-node": ("gpus_per_node", int, "GPUs per node (a failure ta
           "--spare-replenish-s": ("spare_replenish_s", float, "until a used spare, or a dropped node, is back"),
           "--reconfig-s": ("reconfig_s", float, "replica dropping: quorum + communicator rebuild per failure"),
           "--replica-group-nodes": ("replica_group_nodes", int, "replica dropping: nodes per replica group")}
+# The hot-swap phases, as a run's summary.json names them; each gets a --{phase}-s flag.
+PHASES = ("detect", "decide", "report", "rebuild", "restore")
+
+
+def measured_phases(run_dir: Path) -> dict[str, float]:
+    """Median of each hot-swap phase over the recoveries in run_dir/summary.json (`deadpool run|demo --out`)."""
+    path = run_dir / "summary.json"
+    try:
+        recoveries = json.loads(path.read_text())["recoveries"]
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"--phases-from: cannot read the recoveries of {path} ({error}); give the --out "
+                         f"directory of a finished `deadpool demo` or `deadpool run` that had a swap") from None
+    if not recoveries:
+        raise ValueError(f"--phases-from: {path} records no recovery; inject a failure (deadpool demo) first")
+    return {phase: statistics.median(r[f"{phase}_s"] for r in recoveries) for phase in PHASES}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for flag, (field, kind, text) in _FLAGS.items():
         shown = "" if _DEFAULTS[field] is None else f" (default: {_DEFAULTS[field]})"
         p.add_argument(flag, type=kind, default=_DEFAULTS[field], help=text + shown)
+    for phase in PHASES:
+        p.add_argument(f"--{phase}-s", type=float, default=None,
+                       help=f"hot swap: {phase} phase (default: --phases-from, else {_DEFAULTS[phase + '_s']})")
+    p.add_argument("--phases-from", type=Path, default=None, metavar="RUN_DIR",
+                   help="take the hot-swap phases measured in a run directory (median over its recoveries)")
     p.add_argument("--spares", type=int, default=None, help="hot-swap spares (default: the fewest for --stall-target)")
     p.add_argument("--stall-target", type=float, default=1e-3, help="stalls per day to stay under (default: 0.001)")
     p.add_argument("--days", type=float, default=30.0, help="Monte Carlo horizon per run (default: 30)")
@@ -43,9 +64,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory to write simulate.json into")
 
 
-def _evaluate(args: argparse.Namespace, gpus: int) -> dict:
+def swap_phases(args: argparse.Namespace) -> dict[str, float]:
+    """The hot-swap phase costs: a flag given beats a measured run (--phases-from) beats the model's default."""
+    measured = measured_phases(args.phases_from) if args.phases_from else {}
+    return {f"{phase}_s": next(v for v in (getattr(args, f"{phase}_s"), measured.get(phase), _DEFAULTS[f"{phase}_s"])
+                               if v is not None) for phase in PHASES}
+
+
+def _evaluate(args: argparse.Namespace, gpus: int, phases: dict[str, float]) -> dict:
     """Everything reported for one cluster size, JSON-ready."""
-    fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _FLAGS.items()}
+    fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _FLAGS.items()} | phases
     base = ClusterParams(gpus=gpus, spares=args.spares or 0, **fields)
     needed = spares_needed(base, args.stall_target)
     p = dataclasses.replace(base, spares=needed if args.spares is None else args.spares)
@@ -92,15 +120,17 @@ def _spares_table(rows: list[dict], target: float) -> str:
 def main(args: argparse.Namespace) -> int:
     """Prints the goodput and spares tables for each size; writes simulate.json into --out if given."""
     try:
-        rows = [_evaluate(args, gpus) for gpus in (args.gpus or DEFAULT_GPUS)]
+        phases = swap_phases(args)
+        rows = [_evaluate(args, gpus, phases) for gpus in (args.gpus or DEFAULT_GPUS)]
     except ValueError as error:
         print(f"deadpool simulate: error: {error}", file=sys.stderr)
         return 2
     swap = rows[0]["params"]
+    source = f"measured in {args.phases_from}" if args.phases_from else "model defaults"
     print(f"{args.runs} Monte Carlo runs of {args.days:g} days per size, seed {args.seed}. Hot swap costs "
-          f"{rows[0]['swap_s']:.2f} s a failure (detect {swap['detect_s']:g} + decide {swap['decide_s']:g} + report "
-          f"{swap['report_s']:g} + rebuild {swap['rebuild_s']:g} + restore {swap['restore_s']:g} + half a step "
-          f"{swap['step_s'] / 2:g}); checkpoint-restart {swap['ckpt_cost_s']:g} s per checkpoint, restart "
+          f"{rows[0]['swap_s']:.2f} s a failure (phases, {source}: "
+          + " + ".join(f"{phase} {swap[phase + '_s']:.3g}" for phase in PHASES)
+          + f" + half a step {swap['step_s'] / 2:g}); checkpoint-restart {swap['ckpt_cost_s']:g} s per checkpoint, restart "
           f"{swap['restart_s']:g} s; replica dropping {swap['reconfig_s']:g} s + half a step per failure.\n")
     print(_goodput_table(rows) + "\n\n" + _spares_table(rows, args.stall_target))
     if args.out is not None:

@@ -213,3 +213,27 @@ def test_command_prints_tables_and_writes_json(tmp_path, capsys):
 def test_command_reports_bad_input_with_exit_code_2(capsys):
     assert cli.main(parse(["--gpus", "1000", "--gpus-per-node", "16"])) == 2
     assert "multiple of gpus_per_node" in capsys.readouterr().err
+
+
+def write_summary(run_dir, recoveries: list[dict]) -> None:
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"recoveries": recoveries}))
+
+
+def test_phases_from_a_run_are_medians_and_a_flag_beats_them(tmp_path):
+    phases = [{"detect_s": d, "decide_s": 0.001, "report_s": r, "rebuild_s": 0.1, "restore_s": 0.02}
+              for d, r in ((0.05, 0.3), (0.09, 0.5), (0.07, 0.4))]
+    write_summary(tmp_path / "run", phases)
+    args = parse(["--phases-from", str(tmp_path / "run"), "--rebuild-s", "0.25"])
+    assert cli.swap_phases(args) == {"detect_s": 0.07, "decide_s": 0.001, "report_s": 0.4, "rebuild_s": 0.25,
+                                     "restore_s": 0.02}
+    defaults = cli.swap_phases(parse([]))
+    assert defaults == {f"{p}_s": getattr(ClusterParams(gpus=8), f"{p}_s") for p in cli.PHASES}
+
+
+def test_phases_from_a_run_without_recoveries_is_a_clear_error(tmp_path, capsys):
+    write_summary(tmp_path / "clean", [])
+    assert cli.main(parse(["--gpus", "1024", "--phases-from", str(tmp_path / "clean")])) == 2
+    assert "records no recovery" in capsys.readouterr().err
+    assert cli.main(parse(["--gpus", "1024", "--phases-from", str(tmp_path / "missing")])) == 2
+    assert "cannot read the recoveries" in capsys.readouterr().err
