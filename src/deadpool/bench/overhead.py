@@ -1,75 +1,336 @@
-"""`deadpool bench overhead`: the example's step time with snapshots off, every step, and auto, interleaved."""
+"""`deadpool bench overhead`: the failure-free cost of fault tolerance, DeadPool's against DCP's.
+
+For every model size and number of ranks (a cell), the example GPT trains under six variants:
+
+  deadpool-off       DeadPool, snapshots off                        (the baseline of the DeadPool variants)
+  deadpool-every-1   DeadPool, a snapshot every step (replicated to the spare)
+  deadpool-auto      DeadPool, `auto`: the densest interval within the 1 % budget
+  dcp-off            torchrun + DDP, no checkpoint                  (the baseline of the DCP variants)
+  dcp-sync           torchrun + DDP, dcp.save every --ckpt-every steps
+  dcp-async          torchrun + DDP, dcp.async_save every --ckpt-every steps
+
+Each variant's ratio is to the baseline of its own system: DeadPool runs its own data-parallel wrapper,
+torchrun runs torch's DDP, so across systems compare the absolute step times.
+
+Step time, the same for every variant: the wall time from one step's end to the next step's end on a
+rank (the `t` of consecutive step events), so it holds whatever the training loop does between steps:
+DeadPool's snapshot capture and any wait for a copy, a synchronous save, an async save's staging; and
+whatever a background snapshot or save takes from training's CPU. A run's figure is the mean over the
+measured steps (total time / steps) and all ranks: a median would ignore the one step in K that pays
+a checkpoint.
+
+Warm-up, not measured (`warmup_steps`): the first 2K steps (K = --ckpt-every), at least 10. One-off
+costs fall in them: auto's calibration (snapshots every step until step 5, replicated by about step 9
+for 50M x 4 ranks on 2 cores), the allocation of DeadPool's slots, DCP's first save (planning, first
+staging). The measured window is then a whole number of checkpoint intervals, so the DCP variants pay
+their saves at their true rate, and it opens with a save (after step 2K), whose background writing
+has the rest of the interval to finish inside the window.
+
+Runs interleave: per cell and round, every variant once, in an order rotated each round, so drifts of
+the machine hit every variant alike. A row gives the median over rounds and the spread (min..max of
+the per-round figures).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import shutil
 import statistics
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
 from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
 from deadpool.demo import EXAMPLE
+from deadpool.errors import ConfigError
 from deadpool.events import read_events
 from deadpool.launcher.cli import default_out
 from deadpool.launcher.launch import launch
 from deadpool.runtime.session import CALIBRATION_STEPS
 
-VARIANTS: tuple[int | str, ...] = (0, 1, "auto")
+RUN_TIMEOUT_S = 120  # a torchrun run's start-up allowance; each step adds 30 s (the 50M preset takes seconds)
 
 
-def measure(run_dir: Path) -> dict[str, Any]:
-    """Steady-state figures of one run: steps after `auto`'s calibration, every rank pooled."""
-    events = list(read_events(run_dir / "events.jsonl"))
-    steps = [e for e in events if e["event"] == "step" and e["step"] > CALIBRATION_STEPS]
+@dataclass(frozen=True)
+class Size:
+    """A model size preset: the example's shape arguments and the batch that keeps a step bearable on 2 cores."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    batch_size: int  # sequences of 64 characters per rank per step
+
+    def script_args(self) -> tuple[str, ...]:
+        return ("--n-layer", str(self.n_layer), "--n-embd", str(self.n_embd), "--n-head", str(self.n_head),
+                "--batch-size", str(self.batch_size))
+
+
+# Batches shrink as models grow, so that a step of the 50M preset (one sequence per rank) takes 1-2 s with
+# 4 ranks on 2 cores; a smaller batch makes a step cheaper but not its snapshot or checkpoint, so the
+# ratios of the bigger presets are the less flattering ones.
+SIZES = {size.name: size for size in (
+    Size("1M", n_layer=4, n_embd=144, n_head=4, batch_size=8),
+    Size("3M", n_layer=4, n_embd=256, n_head=4, batch_size=8),  # the example's defaults
+    Size("10M", n_layer=6, n_embd=384, n_head=6, batch_size=4),
+    Size("50M", n_layer=6, n_embd=832, n_head=8, batch_size=1),
+)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running a cell; its ratio is to its system's run without snapshots or checkpoints."""
+
+    name: str
+    system: str  # "deadpool" or "torchrun-dcp"
+    snapshot_every: int | str | None = None  # DeadPool's --snapshot-every
+    save: str | None = None  # DCP: None (no checkpoint), "sync" or "async"
+
+    @property
+    def baseline(self) -> str:
+        return "deadpool-off" if self.system == "deadpool" else "dcp-off"
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("deadpool-off", "deadpool", snapshot_every=0),
+    Variant("deadpool-every-1", "deadpool", snapshot_every=1),
+    Variant("deadpool-auto", "deadpool", snapshot_every="auto"),
+    Variant("dcp-off", "torchrun-dcp"),
+    Variant("dcp-sync", "torchrun-dcp", save="sync"),
+    Variant("dcp-async", "torchrun-dcp", save="async"),
+)}
+
+
+def _names(text: str, known: dict[str, Any], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ConfigError(f"{flag} {text!r}: expected a comma-separated list of {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_sizes(text: str) -> list[Size]:
+    return [SIZES[n] for n in _names(text, SIZES, "--sizes")]
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """The named variants plus the baselines their ratios need."""
+    chosen = [VARIANTS[n] for n in _names(text, VARIANTS, "--variants")]
+    needed = {v.baseline for v in chosen} | {v.name for v in chosen}
+    return [v for v in VARIANTS.values() if v.name in needed]
+
+
+def parse_ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise ConfigError(f"--ranks {text!r}: expected a comma-separated list of positive numbers, e.g. 2,4")
+    return list(dict.fromkeys(ranks))
+
+
+def _example_module(name: str) -> ModuleType:
+    """examples/gpt/{name}.py, imported under a name of its own (the example's are generic: data, model)."""
+    spec = importlib.util.spec_from_file_location(f"deadpool_example_{name}", EXAMPLE.with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parameter_counts(sizes: list[Size]) -> dict[str, int]:
+    """The real parameter count of each preset: the example's model on its default text, built on the
+    meta device (no memory)."""
+    import torch
+
+    data, model = _example_module("data"), _example_module("model")
+    vocab = data.CharTokenizer(data.load_text(None)).vocab_size
+    counts = {}
+    for size in sizes:
+        with torch.device("meta"):
+            gpt = model.GPT(model.GPTConfig(vocab_size=vocab, n_layer=size.n_layer, n_head=size.n_head,
+                                            n_embd=size.n_embd))
+        counts[size.name] = gpt.num_parameters()
+    return counts
+
+
+PROCESS_BYTES = 300 * 2**20  # a worker's or spare's own memory besides the training state (torch, the text)
+
+
+def deadpool_memory(params: int, ranks: int, spares: int) -> int:
+    """Host memory of a DeadPool run with snapshots, roughly (fp32, AdamW): per rank the live parameters,
+    gradients and two moments (16 B per parameter) and two snapshot slots (2 x 12 B); the spares together
+    hold two slots of every rank. 50M x 4 ranks + 1 spare: 14.3 GB estimated, 14.5 GB measured (PSS)."""
+    snapshot = 12 * params
+    held = 2 * ranks * snapshot if spares else 0
+    return ranks * (16 * params + 2 * snapshot) + held + (ranks + spares) * PROCESS_BYTES
+
+
+def available_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+# ---- measuring one run ------------------------------------------------------------------------
+
+def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """One run's step times from its events (either system), steps after `warmup`, every rank.
+
+    intervals: seconds from the previous step's end to this step's end, per rank and measured step.
+    blocked: of that, seconds the training thread spent in the fault-tolerance mechanism: DeadPool's
+    wait for a snapshot copy (step.wait_s, inside the step), DCP's save call after the previous step
+    (checkpoint.save_s: sync, the whole save; async, staging and waiting for the previous save).
+    """
+    ends: dict[tuple[int, int], float] = {}
+    blocked: dict[tuple[int, int], float] = {}
+    written: dict[int, float] = {}  # async save of step k -> when the last rank finished writing it
+    for e in events:
+        if e["event"] == "step":
+            ends[e["rank"], e["step"]] = e["t"]
+            blocked[e["rank"], e["step"]] = blocked.get((e["rank"], e["step"]), 0.0) + e.get("wait_s", 0.0)
+        elif e["event"] == "checkpoint":  # delays the next step's end
+            key = (e["rank"], e["step"] + 1)
+            blocked[key] = blocked.get(key, 0.0) + e["save_s"]
+        elif e["event"] == "checkpoint_written":
+            written[e["step"]] = max(written.get(e["step"], e["t"]), e["t"])
+    measured = sorted(key for key in ends if key[1] > warmup and (key[0], key[1] - 1) in ends)
+    if not measured:
+        raise ValueError(f"no steps after the {warmup} warm-up steps to measure")
+    intervals = [ends[rank, step] - ends[rank, step - 1] for rank, step in measured]
     chosen = [e["every"] for e in events if e["event"] == "snapshot_interval"]
-    return {"durations": [e["dur_s"] for e in steps],
-            "median_step_s": statistics.median(e["dur_s"] for e in steps),
-            "wait_fraction": sum(e["wait_s"] for e in steps) / sum(e["dur_s"] for e in steps),
-            "chosen_every": chosen[0] if chosen else None}
+    last_step, last_end = max(step for _, step in ends), max(ends.values())
+    return {"intervals": intervals,
+            "step_s": statistics.fmean(intervals),
+            "wait_fraction": sum(blocked[key] for key in measured) / sum(intervals),
+            "chosen_every": chosen[0] if chosen else None,
+            # saves taken inside the window but written after it: their background cost is partly unmeasured
+            "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items())}
 
 
-def summarize(rounds: dict[int | str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per variant: the median over rounds, its spread, and the ratio to snapshots off."""
-    base = statistics.median(r["median_step_s"] for r in rounds[0])
+def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]],
+              ckpt_every: int) -> list[dict[str, Any]]:
+    """One row per variant of one cell: median and spread over rounds, ratio to its own system's baseline."""
+    medians = {name: statistics.median(r["step_s"] for r in runs) for name, runs in rounds.items()}
     rows = []
-    for variant, runs in rounds.items():
-        medians = [r["median_step_s"] for r in runs]
-        median = statistics.median(medians)
-        rows.append({"snapshot_every": variant, "median_step_s": median, "ratio": median / base,
-                     "min_step_s": min(medians), "max_step_s": max(medians),
+    for variant in variants:
+        runs = rounds[variant.name]
+        per_round = [r["step_s"] for r in runs]
+        rows.append({"system": variant.system, "variant": variant.name,
+                     "snapshot_every": variant.snapshot_every, "save": variant.save,
+                     "ckpt_every": ckpt_every if variant.save else None,
+                     "median_step_s": medians[variant.name],
+                     "ratio": medians[variant.name] / medians[variant.baseline], "baseline": variant.baseline,
+                     "min_step_s": min(per_round), "max_step_s": max(per_round),
                      "wait_fraction": statistics.median(r["wait_fraction"] for r in runs),
-                     "chosen_every": [r["chosen_every"] for r in runs] if variant == "auto" else None,
+                     "chosen_every": [r["chosen_every"] for r in runs] if variant.snapshot_every == "auto" else None,
+                     "saves_after_window": sum(r["saves_after_window"] for r in runs),
                      "rounds": len(runs)})
     return rows
 
 
+# ---- running ----------------------------------------------------------------------------------
+
+def warmup_steps(ckpt_every: int) -> int:
+    """Steps not measured: 2K, so that one-off costs (see the module's docstring) stay out, at least 10."""
+    return max(2 * ckpt_every, 2 * CALIBRATION_STEPS)
+
+
+def run_steps(ckpt_every: int, steps: int | None) -> tuple[int, int]:
+    """(warm-up, total) steps per run: by default the warm-up and one checkpoint interval."""
+    if ckpt_every < 1:
+        raise ConfigError("--ckpt-every must be at least 1")
+    warmup = warmup_steps(ckpt_every)
+    steps = warmup + ckpt_every if steps is None else steps
+    if steps <= warmup or (steps - warmup) % ckpt_every:
+        raise ConfigError(f"--steps must be the {warmup} warm-up steps plus a multiple of --ckpt-every "
+                          f"({ckpt_every}), so the DCP variants pay their saves at their true rate: "
+                          f"{warmup + ckpt_every}, {warmup + 2 * ckpt_every}, ...")
+    return warmup, steps
+
+
+def run_variant(variant: Variant, size: Size, ranks: int, steps: int, args: argparse.Namespace,
+                run_dir: Path) -> list[dict[str, Any]]:
+    """Trains the example once under `variant`; returns its events (raises if the run failed)."""
+    script_args = ("--steps", str(steps), *size.script_args())
+    if variant.system == "deadpool":
+        config = JobConfig(script=str(EXAMPLE), script_args=(*script_args, "--log-every", "1000"), workers=ranks,
+                           spares=args.spares, run_dir=str(run_dir), snapshot_every=variant.snapshot_every)
+        code, summary = launch(config, echo=None)
+        if code != 0:
+            raise RuntimeError(f"run {run_dir} failed: {summary['error']}")
+        return list(read_events(run_dir / "events.jsonl"))
+    code, events = run_torchrun_dcp(run_dir, workers=ranks, steps=steps,
+                                    ckpt_every=args.ckpt_every if variant.save else 0, kill=None,
+                                    script_args=size.script_args(), timeout_s=RUN_TIMEOUT_S + 30 * steps,
+                                    async_save=variant.save == "async", max_restarts=0)
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # not needed; a 50M checkpoint is 0.6 GB
+    if code != 0:
+        raise RuntimeError(f"run {run_dir} failed with exit code {code}; see {run_dir / 'torchrun.log'}")
+    return events
+
+
 def bench_overhead(args: argparse.Namespace) -> int:
+    warmup, steps = run_steps(args.ckpt_every, args.steps)
+    if args.rounds < 1:
+        raise ConfigError("--rounds must be at least 1")
+    sizes, ranks, variants = parse_sizes(args.sizes), parse_ranks(args.ranks), parse_variants(args.variants)
     out = args.out or default_out("bench-overhead")
-    rounds: dict[int | str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-    for round_index in range(args.rounds):
-        for variant in VARIANTS:  # interleaved, so drifts of the machine hit every variant alike
-            run_dir = out / f"round{round_index}-every-{variant}"
-            config = JobConfig(script=str(EXAMPLE), script_args=("--steps", str(args.steps), "--log-every", "1000"),
-                               workers=args.workers, spares=args.spares, run_dir=str(run_dir), snapshot_every=variant)
-            code, summary = launch(config, echo=None)
-            if code != 0:
-                print(f"run {run_dir} failed: {summary['error']}")
-                return code
-            rounds[variant].append(measure(run_dir))
-            print(f"round {round_index + 1}/{args.rounds} snapshot-every {variant}: "
-                  f"median step {rounds[variant][-1]['median_step_s'] * 1e3:.1f} ms", flush=True)
-    rows = summarize(rounds)
-    (out / "overhead.json").write_text(json.dumps(rows, indent=2))
-    plot = plot_overhead(out, {str(v): [d for r in runs for d in r["durations"]] for v, runs in rounds.items()})
-    print(f"\n{args.workers} workers + {args.spares} spare, {args.steps} steps, {args.rounds} interleaved rounds "
-          f"(steps after {CALIBRATION_STEPS}, all ranks)")
-    print(f"{'snapshot-every':>15} {'median step':>12} {'ratio':>7} {'spread (min..max of rounds)':>30} {'wait':>8}")
-    for row in rows:
-        spread = f"{row['min_step_s'] * 1e3:.1f}..{row['max_step_s'] * 1e3:.1f} ms"
-        label = f"auto={row['chosen_every']}" if row["snapshot_every"] == "auto" else str(row["snapshot_every"])
-        print(f"{label:>15} {row['median_step_s'] * 1e3:>9.1f} ms {row['ratio']:>7.3f} {spread:>30} "
-              f"{row['wait_fraction']:>8.2%}")
-    print(f"written: {out / 'overhead.json'}, {plot}")
+    out.mkdir(parents=True, exist_ok=True)
+    params = parameter_counts(sizes)
+    cells = [(size, n) for size in sizes for n in ranks]
+    total = len(cells) * args.rounds * len(variants)
+    print(f"{len(cells)} cells x {args.rounds} rounds x {len(variants)} variants = {total} runs of {steps} steps "
+          f"({warmup} warm-up); DeadPool with {args.spares} spare(s); DCP every {args.ckpt_every} steps")
+    peak, available = max(deadpool_memory(params[s.name], n, args.spares) for s, n in cells), available_memory()
+    print(f"DeadPool's biggest cell holds about {peak / 1e9:.1f} GB; {available / 1e9:.1f} GB available"
+          + ("  -- WARNING: it may not fit" if peak > available else ""), flush=True)
+    rows: list[dict[str, Any]] = []
+    intervals: dict[str, dict[str, list[float]]] = {}
+    started, done = time.monotonic(), 0
+    for size, n in cells:
+        cell = f"{size.name} x {n} ranks"
+        rounds: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+        for r in range(args.rounds):
+            for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
+                run_dir = out / f"{size.name}-{n}ranks" / f"round{r}-{variant.name}"
+                rounds[variant.name].append(measure(run_variant(variant, size, n, steps, args, run_dir), warmup))
+                done += 1
+                print(f"[{done}/{total}, {time.monotonic() - started:.0f} s] {cell}, round {r + 1}, {variant.name}: "
+                      f"{rounds[variant.name][-1]['step_s'] * 1e3:.1f} ms/step", flush=True)
+        cell_rows = [{"size": size.name, "params": params[size.name], "batch_size": size.batch_size, "ranks": n,
+                      "steps": steps, "warmup_steps": warmup, **row}
+                     for row in summarize(variants, rounds, args.ckpt_every)]
+        rows += cell_rows
+        intervals[cell] = {v.name: [d for run in rounds[v.name] for d in run["intervals"]] for v in variants}
+        (out / "overhead.json").write_text(json.dumps(rows, indent=2))  # after every cell: partial results survive
+        print(table(cell_rows), flush=True)
+    plot = plot_overhead(out, intervals, columns=len(ranks))
+    print(f"written: {out / 'overhead.json'}, {plot} ({time.monotonic() - started:.0f} s)")
     return 0
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    first = rows[0]
+    lines = [f"\n{first['size']} ({first['params']:,} parameters, batch {first['batch_size']} per rank) x "
+             f"{first['ranks']} ranks; mean step time over steps {first['warmup_steps'] + 1}..{first['steps']}, "
+             f"median (min..max) of {first['rounds']} rounds",
+             f"{'variant':>28} {'step':>10} {'ratio to off':>14} {'spread':>20} {'blocked':>8}"]
+    for row in rows:
+        label = row["variant"]
+        if row["chosen_every"]:
+            label += f" ({','.join(map(str, row['chosen_every']))})"
+        spread = f"{row['min_step_s'] * 1e3:.1f}..{row['max_step_s'] * 1e3:.1f} ms"
+        lines.append(f"{label:>28} {row['median_step_s'] * 1e3:>7.1f} ms {row['ratio']:>14.3f} {spread:>20} "
+                     f"{row['wait_fraction']:>8.2%}")
+        if row["saves_after_window"]:
+            lines.append(f"{'':>28} note: {row['saves_after_window']} async saves still writing after the last "
+                         f"step: their background cost is partly unmeasured; use more --steps")
+    return "\n".join(lines)

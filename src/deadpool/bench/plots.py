@@ -10,6 +10,7 @@ MILESTONES: dict[str, list[tuple[str, str]]] = {
     "deadpool": [("failure_detected", "detect"), ("plan_published", "decide"), ("restore_decided", "report"),
                  ("swap_complete", "restore + rebuild")],
     "torchrun": [("process_start", "restart processes"), ("resumed", "rendezvous + load checkpoint")],
+    "torchft": [("step_discarded", "all-reduce fails, step discarded"), ("quorum", "wait for new quorum")],
 }
 
 
@@ -17,7 +18,8 @@ def timeline(events: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
     """(phase, start, end) in seconds after the kill, from the events of one run with one kill."""
     kill = next(e for e in events if e["event"] == "fault_injected" and e["kind"] == "kill")
     later = [e for e in events if e["t"] > kill["t"]]
-    system = "deadpool" if any(e["event"] == "swap_complete" for e in later) else "torchrun"
+    system = ("deadpool" if any(e["event"] == "swap_complete" for e in later)
+              else "torchft" if any(e["event"] == "step_discarded" for e in later) else "torchrun")
     phases, start = [], 0.0
     for name, label in MILESTONES[system]:
         times = [e["t"] - kill["t"] for e in later if e["event"] == name]
@@ -31,6 +33,9 @@ def timeline(events: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
     phases.append(("to next step", start, first))
     if back > first:
         phases.append(("replay to kill step", first, back))
+    healed = [e["t"] - kill["t"] for e in later if e["event"] == "healed"]
+    if healed and healed[0] > first:  # torchft trains on without the dead replica until it heals back in
+        phases.append(("reduced size until rejoin", first, healed[0]))
     return phases
 
 
@@ -45,15 +50,25 @@ def _pyplot():
     return plt
 
 
-def plot_overhead(out: Path, durations: dict[str, list[float]]) -> Path:
-    """Step-time distribution per snapshot setting (one box per variant)."""
+def plot_overhead(out: Path, intervals: dict[str, dict[str, list[float]]], columns: int = 2) -> Path:
+    """Step-time distribution per variant (a box, the mean as a triangle), one panel per cell (size x ranks).
+
+    Outliers are drawn: with a checkpoint every K steps they are the steps that paid for it."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.boxplot([[d * 1e3 for d in v] for v in durations.values()], tick_labels=list(durations), showfliers=False)
-    ax.set_xlabel("snapshot-every")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title("Failure-free step time")
-    ax.grid(axis="y", alpha=0.3)
+    columns = max(1, min(columns, len(intervals)))
+    rows = -(-len(intervals) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.6 * rows), squeeze=False)
+    for ax, (cell, variants) in zip(axes.flat, intervals.items()):
+        ax.boxplot([[d * 1e3 for d in v] for v in variants.values()], tick_labels=list(variants), showmeans=True,
+                   flierprops={"markersize": 3})
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.set_ylabel("step time (ms)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(cell)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in axes.flat[len(intervals):]:
+        ax.set_visible(False)
+    fig.suptitle("Failure-free step time, step end to step end (triangle: the mean)")
     path = out / "overhead.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -83,7 +98,7 @@ def plot_recovery(out: Path, rows: list[dict[str, Any]], scale: list[dict[str, A
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.8 * len(timelines)))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.8 * len(timelines)))
     colors, palette = plt.get_cmap("tab10"), {}
     for y, (system, phases) in enumerate(timelines.items()):
         for label, start, end in phases:
@@ -93,7 +108,7 @@ def plot_recovery(out: Path, rows: list[dict[str, Any]], scale: list[dict[str, A
     ax.set_yticks(range(len(timelines)), list(timelines))
     ax.set_xlabel("seconds after SIGKILL")
     ax.set_title("Recovery timeline (one repetition per system)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     paths.append(out / "recovery_timeline.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)

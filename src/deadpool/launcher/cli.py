@@ -83,13 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    overhead = bench_sub.add_parser("overhead", help="step time with snapshots off, every step, and auto")
-    overhead.add_argument("--workers", type=int, default=4)
-    overhead.add_argument("--spares", type=int, default=1)
-    overhead.add_argument("--steps", type=int, default=40)
-    overhead.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of each variant")
+    overhead = bench_sub.add_parser("overhead", help="step time: DeadPool snapshots vs DCP checkpoints, by size, ranks")
+    overhead.add_argument("--sizes", default="1M,10M,50M", help="model presets: 1M, 3M (the example), 10M, 50M")
+    overhead.add_argument("--ranks", "--workers", default="2,4", help="numbers of ranks, e.g. 2,4")
+    overhead.add_argument("--variants",
+                          default="deadpool-off,deadpool-every-1,deadpool-auto,dcp-off,dcp-sync,dcp-async",
+                          help="a subset of these (each variant's baseline runs too)")
+    overhead.add_argument("--spares", type=int, default=1, help="DeadPool's spares (they hold the replicas)")
+    overhead.add_argument("--ckpt-every", type=int, default=5, help="DCP variants: a checkpoint every K steps")
+    overhead.add_argument("--steps", type=int, default=None,
+                          help="steps per run: a warm-up of 2K (at least 10) plus a multiple of K (default: one K)")
+    overhead.add_argument("--rounds", type=int, default=1,
+                          help="interleaved repetitions of each variant; 1 gives no spread, 3 takes 3x as long")
     overhead.add_argument("--out", type=Path, default=None)
-    recovery = bench_sub.add_parser("recovery", help="hot swap vs torchrun + DCP restart, and recovery vs scale")
+    recovery = bench_sub.add_parser("recovery",
+                                    help="hot swap vs torchrun + DCP restart vs torchft, and recovery vs scale")
     recovery.add_argument("--workers", type=int, default=4)
     recovery.add_argument("--steps", type=int, default=30)
     recovery.add_argument("--kill-rank", type=int, default=1)
@@ -97,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     recovery.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: DCP checkpoint interval")
     recovery.add_argument("--reps", type=int, default=3)
     recovery.add_argument("--no-scaling", action="store_true", help="skip recovery vs world size and state size")
+    recovery.add_argument("--no-torchft", action="store_true", help="skip torchft (skipped anyway if not installed)")
     recovery.add_argument("--out", type=Path, default=None)
     sim_cli.add_parser(sub)
     return parser

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from deadpool.bench.overhead import summarize
 from deadpool.bench.plots import plot_overhead, plot_recovery, timeline
 from deadpool.bench.recovery import recovery_row, table
 
 
-def step(rank: int, step: int, t: float, loss: float = 1.0) -> dict:
-    return {"event": "step", "rank": rank, "step": step, "t": t, "loss": loss}
+def step(rank: int, step: int, t: float, loss: float = 1.0, position: int | None = None) -> dict:
+    """A completed step that trained on the rank's batch at `position` of its shard (default: the step)."""
+    sample = rank * 1000 + (step if position is None else position)
+    return {"event": "step", "rank": rank, "step": step, "t": t, "loss": loss, "samples": [sample]}
 
 
 def kill(step: int, t: float) -> dict:
@@ -33,17 +34,17 @@ def torchrun_like() -> list[dict]:
 
 
 def test_row_for_a_restart_from_an_older_checkpoint():
-    row = recovery_row("torchrun", 1, torchrun_like(), REFERENCE, samples_per_step=32)
+    row = recovery_row("torchrun", 1, torchrun_like(), REFERENCE)
     assert row == {"system": "torchrun", "rep": 1, "kill_step": 6, "resumed_from": 3,
                    "kill_to_next_step_s": 9.0 - 5.5, "kill_to_frontier_s": 11.0 - 5.5,
-                   "steps_lost": 2, "samples_lost": 64, "bitwise_equal": True}
+                   "steps_lost": 2, "samples_lost": 0, "samples_unexpected": 0, "bitwise_equal": True}
 
 
 def test_row_sees_a_different_final_state_or_loss():
     changed_state = torchrun_like()[:-1] + [finished(0, "other")]
-    assert recovery_row("x", 0, changed_state, REFERENCE, 1)["bitwise_equal"] is False
+    assert recovery_row("x", 0, changed_state, REFERENCE)["bitwise_equal"] is False
     changed_loss = [dict(e, loss=2.0) if e["event"] == "step" and e["step"] == 8 else e for e in torchrun_like()]
-    assert recovery_row("x", 0, changed_loss, REFERENCE, 1)["bitwise_equal"] is False
+    assert recovery_row("x", 0, changed_loss, REFERENCE)["bitwise_equal"] is False
 
 
 def test_timeline_of_a_restart():
@@ -59,29 +60,87 @@ def test_timeline_of_a_hot_swap():
                                 ("restore + rebuild", 0.5, 0.75), ("to next step", 0.75, 1.0)]
 
 
-def test_overhead_summary_ratios_and_spread():
-    rounds = {0: [{"median_step_s": 1.0, "wait_fraction": 0.0, "chosen_every": None},
-                  {"median_step_s": 2.0, "wait_fraction": 0.0, "chosen_every": None},
-                  {"median_step_s": 1.5, "wait_fraction": 0.0, "chosen_every": None}],
-              "auto": [{"median_step_s": 3.0, "wait_fraction": 0.25, "chosen_every": 7}]}
-    off, auto = summarize(rounds)
-    assert (off["median_step_s"], off["ratio"], off["min_step_s"], off["max_step_s"]) == (1.5, 1.0, 1.0, 2.0)
-    assert (auto["ratio"], auto["wait_fraction"], auto["chosen_every"]) == (2.0, 0.25, [7])
-
-
 def test_table_lists_each_system_once_with_median_and_range():
-    rows = [recovery_row("torchrun", r, torchrun_like(), REFERENCE, 1) for r in range(3)]
+    rows = [recovery_row("torchrun", r, torchrun_like(), REFERENCE) for r in range(3)]
     lines = table(rows).splitlines()
     assert len(lines) == 2 and "3.50 s (3.50..3.50)" in lines[1] and lines[1].split()[-1] == "True"
 
 
 def test_plots_are_written_as_png(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [recovery_row("torchrun", 0, torchrun_like(), REFERENCE, 1)]
+    rows = [recovery_row("torchrun", 0, torchrun_like(), REFERENCE)]
     scale = [{"axis": "world", "workers": 2, "kill_to_next_step_s": 1.0, "snapshot_bytes": 1},
              {"axis": "state", "workers": 4, "kill_to_next_step_s": 1.0, "snapshot_bytes": 2e6}]
     paths = plot_recovery(tmp_path, rows, scale, {"torchrun": timeline(torchrun_like())})
-    paths.append(plot_overhead(tmp_path, {"0": [0.3, 0.31], "1": [0.36, 0.37]}))
+    paths.append(plot_overhead(tmp_path, {"3M x 4 ranks": {"deadpool-off": [0.3, 0.31], "deadpool-every-1": [0.36, 0.37]}}))
     assert [p.name for p in paths] == ["recovery_times.png", "recovery_timeline.png", "recovery_scaling.png",
                                        "overhead.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def torchft_like() -> tuple[list[dict], list[dict]]:
+    """Two replicas; replica 1 killed in step 4. Replica 0's all-reduce fails (step 4 discarded, its batch
+    at position 4 consumed), it gets a quorum without replica 1 and commits steps 4 and 5 alone on the
+    batches at positions 5 and 6; replica 1, restarted, heals from replica 0 after step 5 (taking its
+    data position) and both commit step 6 on position 7. Returns (run, failure-free run)."""
+    reference = [step(r, s, float(s)) for s in range(1, 7) for r in (0, 1)] + [finished(0, "h"), finished(1, "h")]
+    events = [step(r, s, float(s)) for s in range(1, 4) for r in (0, 1)] + [
+        kill(4, 3.5), {"event": "step_discarded", "rank": 0, "step": 4, "t": 3.625},
+        {"event": "quorum", "rank": 0, "t": 8.0}, step(0, 4, 8.5, position=5), step(0, 5, 9.5, position=6),
+        {"event": "process_start", "rank": 1, "t": 5.0}, {"event": "healed", "rank": 1, "t": 9.75},
+        step(0, 6, 10.5, position=7), step(1, 6, 10.5, position=7), finished(0, "x"), finished(1, "x")]
+    return events, reference
+
+
+def test_row_for_torchft_counts_skipped_batches_by_sample_id():
+    events, reference = torchft_like()
+    row = recovery_row("torchft", 0, events, reference)
+    assert row == {"system": "torchft", "rep": 0, "kill_step": 4, "resumed_from": 3,
+                   "kill_to_next_step_s": 8.5 - 3.5, "kill_to_frontier_s": 8.5 - 3.5, "steps_lost": 0,
+                   "samples_lost": 4,  # replica 0's discarded batch 4; replica 1's 4 (in flight), 5 and 6
+                   "samples_unexpected": 2,  # both replicas' batch 7, past the failure-free run's end
+                   "bitwise_equal": False}  # one replica fewer averaged in steps 4 and 5
+
+
+def test_a_replayed_step_counts_its_samples_once_and_a_swapped_in_spare_loses_none():
+    """DeadPool's spare steps as the rank it took over, on the same batches, so nothing is missing."""
+    reference = [step(r, s, float(s)) for s in range(1, 5) for r in (0, 1)]
+    events = [step(r, s, float(s)) for s in range(1, 4) for r in (0, 1)] + [kill(4, 3.5)]
+    events += [step(r, s, float(s) + 1) for s in range(3, 5) for r in (0, 1)]  # rolled back to 2: 3 again
+    row = recovery_row("deadpool", 0, events, reference)
+    assert (row["steps_lost"], row["samples_lost"], row["samples_unexpected"]) == (1, 0, 0)
+
+
+def test_a_run_without_sample_ids_is_refused():
+    bare = [{k: v for k, v in e.items() if k != "samples"} for e in torchrun_like()]
+    with pytest.raises(ValueError, match="no sample ids"):
+        recovery_row("x", 0, bare, REFERENCE)
+
+
+def test_timeline_of_a_torchft_recovery():
+    events, _ = torchft_like()
+    assert timeline(events) == [("all-reduce fails, step discarded", 0.0, 0.125),
+                                ("wait for new quorum", 0.125, 4.5), ("to next step", 4.5, 5.0),
+                                ("reduced size until rejoin", 5.0, 6.25)]
+
+
+def test_table_shows_samples_lost():
+    events, reference = torchft_like()
+    lines = table([recovery_row("torchft", 0, events, reference)]).splitlines()
+    assert "samples lost" in lines[0] and lines[1].split()[-2:] == ["4", "False"]
+
+
+def test_torchft_recovers_a_killed_replica(tmp_path):
+    """Real processes: two torchft replicas of a small GPT, replica 1 SIGKILLed in step 4 and restarted."""
+    pytest.importorskip("torchft")
+    from deadpool.bench.baselines.run_torchft import run_torchft
+
+    small = ("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2")
+    code, events = run_torchft(tmp_path, workers=2, steps=8, kill=(1, 4), script_args=small, timeout_s=90)
+    assert code == 0, (tmp_path / "torchft.log").read_text()[-3000:]
+    assert any(e["event"] == "step_discarded" and e["rank"] == 0 and e["step"] == 4 for e in events)
+    healed = [e for e in events if e["event"] == "healed"]
+    assert [(e["rank"], e["attempt"]) for e in healed] == [(1, 1)] and healed[0]["from_step"] >= 3
+    assert sorted(e["step"] for e in events if e["event"] == "step" and e["rank"] == 0) == list(range(1, 9))
+    hashes = {(e["rank"], e["attempt"]): e["state_sha256"] for e in events if e["event"] == "finished"}
+    assert set(hashes) == {(0, 0), (1, 1)} and len(set(hashes.values())) == 1  # the healed replica agrees

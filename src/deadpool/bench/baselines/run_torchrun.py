@@ -67,22 +67,27 @@ def _kill_stray_workers(events: list[dict[str, Any]]) -> None:
 
 
 def torchrun_command(out_dir: Path, *, workers: int, steps: int, ckpt_every: int, kill: tuple[int, int] | None,
-                     script_args: tuple[str, ...] = (), max_restarts: int = 1) -> list[str]:
+                     script_args: tuple[str, ...] = (), max_restarts: int = 1,
+                     async_save: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
            "--max-restarts", str(max_restarts), str(SCRIPT), "--steps", str(steps), "--ckpt-every", str(ckpt_every),
            "--ckpt-dir", str(out_dir / "ckpt"), "--events", str(out_dir / "events.jsonl"), *script_args]
     if kill is not None:
         cmd += ["--kill-rank", str(kill[0]), "--kill-step", str(kill[1])]
+    if async_save:
+        cmd.append("--async-save")
     return cmd
 
 
 def run_torchrun_dcp(out_dir: Path, *, workers: int, steps: int, ckpt_every: int, kill: tuple[int, int] | None,
                      script_args: tuple[str, ...] = (), timeout_s: float = 300,
-                     share_rdzv_store: bool = False) -> tuple[int, list[dict]]:
-    """Runs the example GPT under torchrun (--standalone, --max-restarts 1) with DCP checkpoints every
-    `ckpt_every` steps; `kill=(rank, step)` makes that rank SIGKILL itself in the backward pass of that
-    step on the first attempt. Returns torchrun's exit code (TIMEOUT_EXIT if it ran past timeout_s and was
-    killed with all its workers) and the events of every rank and attempt, in file order.
+                     share_rdzv_store: bool = False, async_save: bool = False,
+                     max_restarts: int = 1) -> tuple[int, list[dict]]:
+    """Runs the example GPT under torchrun (--standalone, --max-restarts max_restarts) with DCP checkpoints
+    every `ckpt_every` steps (0: none), synchronous or, with async_save, dcp.async_save; `kill=(rank, step)`
+    makes that rank SIGKILL itself in the backward pass of that step on the first attempt. Returns torchrun's
+    exit code (TIMEOUT_EXIT if it ran past timeout_s and was killed with all its workers) and the events of
+    every rank and attempt, in file order.
 
     Writes out_dir/events.jsonl, out_dir/ckpt/ (both cleared first: stale checkpoints would be resumed
     from) and out_dir/torchrun.log (torchrun's and the workers' stdout and stderr).
@@ -102,7 +107,7 @@ def run_torchrun_dcp(out_dir: Path, *, workers: int, steps: int, ckpt_every: int
     else:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = torchrun_command(out_dir, workers=workers, steps=steps, ckpt_every=ckpt_every, kill=kill,
-                           script_args=script_args)
+                           script_args=script_args, max_restarts=max_restarts, async_save=async_save)
     with open(out_dir / "torchrun.log", "wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()

@@ -1,9 +1,11 @@
 """The example GPT trained the conventional way, as the baseline DeadPool's hot swap is compared with.
 
-Plain DDP on gloo, launched by torchrun with `--max-restarts`; every `--ckpt-every` steps a synchronous
-torch.distributed.checkpoint (DCP) save. When a worker dies, torchrun kills the others and restarts all
-of them; they resume from the newest complete checkpoint and replay the steps since. The workload is
-DeadPool's example (examples/gpt: same model, data, sampler, optimizer, seeds, arguments and defaults).
+Plain DDP on gloo, launched by torchrun with `--max-restarts`; every `--ckpt-every` steps a
+torch.distributed.checkpoint (DCP) save: synchronous (dcp.save), or with `--async-save` dcp.async_save
+(see `AsyncCheckpointer`); `--ckpt-every 0` never checkpoints. When a worker dies, torchrun kills the
+others and restarts all of them; they resume from the newest complete checkpoint and replay the steps
+since. The workload is DeadPool's example (examples/gpt: same model, data, sampler, optimizer, seeds,
+arguments and defaults).
 
 Checkpoint layout, under --ckpt-dir:
   step-{k}/                DCP checkpoint of {"model", "optim"} (get_state_dict helpers) plus
@@ -11,7 +13,8 @@ Checkpoint layout, under --ckpt-dir:
 A checkpoint is written into `.tmp-step-{k}` and renamed to `step-{k}` by rank 0 once every rank's files
 and the DCP metadata are written (dcp.save ends collectively, then a barrier), so a directory named
 `step-{k}` is always complete; a kill during a save leaves only a `.tmp-*` directory, which is never
-loaded and is deleted at the next start.
+loaded and is deleted at the next start. An async save is renamed by rank 0 only once its save has
+finished on every rank (see `AsyncCheckpointer`).
 
 With no checkpoint the job starts fresh (no step-0 checkpoint): the run is seeded, so starting fresh is
 exactly the state a step-0 checkpoint would hold. A resumed job restores model, optimizer, data position
@@ -21,8 +24,19 @@ uninterrupted run (see `rebuild_ddp_buckets`): the replay is then bit-identical 
 Events (JSON lines appended to --events, one os.write each, O_APPEND; all carry "t" = time.monotonic(),
 which is system-wide on Linux, plus "rank", "attempt" (TORCHELASTIC_RESTART_COUNT), "wall" and "pid"):
 process_start (before joining the process group), resumed (from_step, load_s: DCP and per-rank load,
-warmup_s: the bucket warm-up), step (step, loss, dur_s; t at the step's end), checkpoint (step, save_s),
-fault_injected, finished (step, state_sha256). `finished.state_sha256` is documented at `state_sha256` below.
+warmup_s: the bucket warm-up), step (step, loss, dur_s, samples: the batch's sample ids; t at the step's
+end), checkpoint (step, mode, save_s; async: wait_s), fault_injected, finished (step, state_sha256,
+documented at `state_sha256` below). With --async-save also checkpoint_written (step; t when this rank's
+background save finished; ok: without error) and, from rank 0, checkpoint_renamed (step; t after the
+rename).
+
+Step time: `step.dur_s` is the step's own work (batch, forward, backward, optimizer step, loss.item()),
+timed the same way in every mode. A checkpoint is taken after the step's event, so its cost is in no
+dur_s: `checkpoint.save_s` is the time it held the training thread (sync: the whole save and barrier;
+async: waiting for the previous save, the rank file, staging a copy of the state and starting the
+background save). The time per step a user sees is the time between consecutive steps' ends (the `t`
+of their step events), which includes any checkpoint taken in between; `deadpool bench overhead`
+measures it that way, for DeadPool too, whose step events are likewise written at the step's end.
 
 Run: torchrun --standalone --nproc-per-node 4 --max-restarts 1 torchrun_dcp.py --ckpt-dir D --events F
 """
@@ -38,6 +52,7 @@ import shutil
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +69,7 @@ from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E40
 from model import GPT, GPTConfig  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+SAVE_TIMEOUT_S = 600.0  # the longest a rank waits for a background save to finish
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,7 +86,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1337)
     # The baseline's own.
-    p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint after every K-th step")
+    p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint after every K-th step (0 = never)")
+    p.add_argument("--async-save", action="store_true",
+                   help="dcp.async_save: stage a copy in the step, write it in a background thread")
     p.add_argument("--ckpt-dir", required=True, type=Path)
     p.add_argument("--events", required=True, type=Path, help="JSON-lines file shared by all ranks and restarts")
     p.add_argument("--kill-rank", type=int, default=None, help="rank that SIGKILLs itself (first attempt only)")
@@ -78,8 +96,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if (args.kill_rank is None) != (args.kill_step is None):
         p.error("--kill-rank and --kill-step go together")
-    if args.ckpt_every < 1:
-        p.error("--ckpt-every must be at least 1")
+    if args.ckpt_every < 0:
+        p.error("--ckpt-every must be 0 (never) or more")
     return args
 
 
@@ -166,20 +184,91 @@ def newest_checkpoint(ckpt_dir: Path, world_size: int) -> tuple[int, Path] | Non
     return max(found) if found else None
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    sampler: BatchSampler, rank: int, world_size: int) -> None:
-    """Synchronous and atomic: everything goes to `.tmp-step-{step}`, renamed by rank 0 when all is written."""
-    tmp, final = ckpt_dir / f".tmp-step-{step}", ckpt_dir / f"step-{step}"
+def _begin_checkpoint(ckpt_dir: Path, step: int, sampler: BatchSampler, rank: int, world_size: int) -> Path:
+    """Creates `.tmp-step-{step}` and writes this rank's own file into it; returns the directory."""
+    tmp = ckpt_dir / f".tmp-step-{step}"
     tmp.mkdir(parents=True, exist_ok=True)  # every rank, before anyone writes: no race on creation
     torch.save({"step": step, "world_size": world_size, "sampler": sampler.state_dict(), "rng": rng_state()},
                _rank_file(tmp, rank))
+    return tmp
+
+
+def _publish(ckpt_dir: Path, step: int) -> None:
+    """Rank 0, once every rank's files and the DCP metadata are written: `.tmp-step-{k}` -> `step-{k}`."""
+    final = ckpt_dir / f"step-{step}"
+    if final.exists():  # only possible if an older world size left one; never a newer state than ours
+        shutil.rmtree(final)
+    os.rename(ckpt_dir / f".tmp-step-{step}", final)  # atomic: `step-{k}` appears complete or not at all
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    sampler: BatchSampler, rank: int, world_size: int) -> None:
+    """Synchronous and atomic: everything goes to `.tmp-step-{step}`, renamed by rank 0 when all is written."""
+    tmp = _begin_checkpoint(ckpt_dir, step, sampler, rank, world_size)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # collective; rank 0 writes .metadata
     dist.barrier()  # every rank's rank{r}.pt and shards are on disk
     if rank == 0:
-        if final.exists():  # only possible if an older world size left one; never a newer state than ours
-            shutil.rmtree(final)
-        os.rename(tmp, final)  # atomic: `step-{k}` appears complete or not at all
+        _publish(ckpt_dir, step)
+
+
+class AsyncCheckpointer:
+    """dcp.async_save under the same atomic-rename rule as `save_checkpoint`; one save in flight at a time.
+
+    In the step: wait for the previous save, write the rank file, stage a copy of model and optimizer
+    state (DCP's default stager copies every tensor into fresh CPU storage, so training may go on
+    changing the originals), and hand the copy to DCP's background thread, which writes it.
+
+    The background save runs its collectives (plan gather/scatter, the final all-reduce) on a gloo group
+    of its own: on the default group they would be issued from two threads at once, interleaved with
+    DDP's all-reduces in an order that differs between ranks.
+
+    The rename: DCP's save ends in an all-reduce whose coordinator, rank 0, writes `.metadata` only after
+    every rank has reported its shards written, and every rank wrote its rank file before it entered the
+    save. So once rank 0's save future is done (successfully), the whole checkpoint is on disk, and only
+    then does rank 0 rename it: at the first step end that finds it done (`poll`), or when the next save
+    or the exit waits for it (`wait`, bounded by SAVE_TIMEOUT_S). A save that failed raises there.
+    """
+
+    def __init__(self, ckpt_dir: Path, rank: int, world_size: int, events: Events) -> None:
+        self.ckpt_dir, self.rank, self.world_size, self.events = ckpt_dir, rank, world_size, events
+        self.group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
+        self.pending: tuple[int, Future] | None = None
+
+    def start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              sampler: BatchSampler) -> float:
+        """Starts checkpoint `step` in the background; returns the seconds spent waiting for the previous one."""
+        waited = self.wait(SAVE_TIMEOUT_S)
+        tmp = _begin_checkpoint(self.ckpt_dir, step, sampler, self.rank, self.world_size)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                                process_group=self.group)
+        future.add_done_callback(lambda f: self.events.emit("checkpoint_written", step=step,
+                                                            ok=f.exception() is None))
+        self.pending = (step, future)
+        return waited
+
+    def poll(self) -> None:
+        """Completes the pending save if it is done, without waiting."""
+        if self.pending is not None and self.pending[1].done():
+            self._complete()
+
+    def wait(self, timeout_s: float) -> float:
+        """Waits for the pending save (at most timeout_s, else TimeoutError) and completes it; returns the
+        seconds waited."""
+        start = time.monotonic()
+        if self.pending is not None:
+            self.pending[1].result(timeout=timeout_s)
+            self._complete()
+        return time.monotonic() - start
+
+    def _complete(self) -> None:
+        step, future = self.pending
+        self.pending = None
+        future.result()  # a failed save raises here, and is never renamed
+        if self.rank == 0:
+            _publish(self.ckpt_dir, step)
+            self.events.emit("checkpoint_renamed", step=step)
 
 
 def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -227,6 +316,7 @@ def main() -> None:
     events.emit("process_start", world_size=int(os.environ["WORLD_SIZE"]))  # before the group: a failed join shows
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    saver = AsyncCheckpointer(args.ckpt_dir, rank, world_size, events) if args.async_save else None
 
     text = load_text(args.data)
     tokenizer = CharTokenizer(text)
@@ -269,22 +359,37 @@ def main() -> None:
     for step in range(start, args.steps + 1):
         t0 = time.monotonic()
         current["step"] = step
-        x, y = make_batch(tokens, sampler.next_batch(), args.block_size)
+        sample_ids = sampler.next_batch()
+        x, y = make_batch(tokens, sample_ids, args.block_size)
         _, loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         value = loss.item()
         t1 = time.monotonic()
-        events.emit("step", step=step, loss=value, dur_s=t1 - t0, t=t1)
-        if step % args.ckpt_every == 0:
-            save_checkpoint(args.ckpt_dir, step, model, optimizer, sampler, rank, world_size)
-            t2 = time.monotonic()
-            events.emit("checkpoint", step=step, save_s=t2 - t1, t=t2)
+        events.emit("step", step=step, loss=value, dur_s=t1 - t0, t=t1, samples=sample_ids)
+        if saver is not None:
+            saver.poll()
+        if args.ckpt_every and step % args.ckpt_every == 0:
+            if saver is None:
+                save_checkpoint(args.ckpt_dir, step, model, optimizer, sampler, rank, world_size)
+                t2 = time.monotonic()
+                events.emit("checkpoint", step=step, mode="sync", save_s=t2 - t1, t=t2)
+            else:
+                waited = saver.start(step, model, optimizer, sampler)
+                t2 = time.monotonic()
+                events.emit("checkpoint", step=step, mode="async", save_s=t2 - t1, wait_s=waited, t=t2)
 
+    if saver is not None:
+        saver.wait(SAVE_TIMEOUT_S)  # the last checkpoint is complete and renamed before the job says finished
     events.emit("finished", step=args.steps, state_sha256=state_sha256(gpt, optimizer, sampler, args.steps))
     dist.barrier()
-    dist.destroy_process_group()
+    # Straight out once every rank is done: twice, on a loaded machine, a run hung after every rank had
+    # written `finished` (not reproduced since), so in the group's teardown, the interpreter's exit or
+    # torchrun's; the first two have nothing left to do for this benchmark.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
