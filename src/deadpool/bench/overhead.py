@@ -207,10 +207,15 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     intervals = [ends[rank, step] - ends[rank, step - 1] for rank, step in measured]
     chosen = [e["every"] for e in events if e["event"] == "snapshot_interval"]
     last_step, last_end = max(step for _, step in ends), max(ends.values())
+    first_measured = min(step for _, step in measured)
     return {"intervals": intervals,
             "step_s": statistics.fmean(intervals),
             "wait_fraction": sum(blocked[key] for key in measured) / sum(intervals),
             "chosen_every": chosen[0] if chosen else None,
+            # DeadPool: snapshots taken in the window (a step's snapshot is taken at its end, so step
+            # first_measured - 1's falls in the window); auto's interval may be longer than the window
+            "snapshots_in_window": len({e["step"] for e in events if e["event"] == "snapshot"
+                                        and first_measured - 1 <= e["step"] < last_step}),
             # saves taken inside the window but written after it: their background cost is partly unmeasured
             "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items())}
 
@@ -232,6 +237,8 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]],
                      "wait_fraction": statistics.median(r["wait_fraction"] for r in runs),
                      "chosen_every": [r["chosen_every"] for r in runs] if variant.snapshot_every == "auto" else None,
                      "saves_after_window": sum(r["saves_after_window"] for r in runs),
+                     "snapshots_in_window": [r["snapshots_in_window"] for r in runs]
+                     if variant.system == "deadpool" else None,
                      "rounds": len(runs)})
     return rows
 
@@ -330,6 +337,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         spread = f"{row['min_step_s'] * 1e3:.1f}..{row['max_step_s'] * 1e3:.1f} ms"
         lines.append(f"{label:>28} {row['median_step_s'] * 1e3:>7.1f} ms {row['ratio']:>14.3f} {spread:>20} "
                      f"{row['wait_fraction']:>8.2%}")
+        if row["snapshot_every"] == "auto" and not all(row["snapshots_in_window"]):
+            every = max(row["chosen_every"])
+            extra = next((r["median_step_s"] - r_off["median_step_s"] for r in rows for r_off in rows
+                          if r["variant"] == "deadpool-every-1" and r_off["variant"] == "deadpool-off"), None)
+            estimate = f"; every-1's extra time / {every} = {extra / every / row['median_step_s']:.2%} of a step" \
+                if extra is not None else ""
+            lines.append(f"{'':>28} note: auto snapshots every {every} steps, and the {row['steps'] - row['warmup_steps']}"
+                         f" measured steps held {min(row['snapshots_in_window'])}: this figure leaves its cost out"
+                         f"{estimate}; measure with --steps above {row['warmup_steps'] + every}")
         if row["saves_after_window"]:
             lines.append(f"{'':>28} note: {row['saves_after_window']} async saves still writing after the last "
                          f"step: their background cost is partly unmeasured; use more --steps")

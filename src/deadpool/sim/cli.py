@@ -28,16 +28,19 @@ _FLAGS = {"--gpus-per-node": ("gpus_per_node", int, "GPUs per node (a failure ta
 PHASES = ("detect", "decide", "report", "rebuild", "restore")
 
 
-def measured_phases(run_dir: Path) -> dict[str, float]:
-    """Median of each hot-swap phase over the recoveries in run_dir/summary.json (`deadpool run|demo --out`)."""
-    path = run_dir / "summary.json"
-    try:
-        recoveries = json.loads(path.read_text())["recoveries"]
-    except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"--phases-from: cannot read the recoveries of {path} ({error}); give the --out "
-                         f"directory of a finished `deadpool demo` or `deadpool run` that had a swap") from None
-    if not recoveries:
-        raise ValueError(f"--phases-from: {path} records no recovery; inject a failure (deadpool demo) first")
+def measured_phases(run_dirs: list[Path]) -> dict[str, float]:
+    """Median of each hot-swap phase over the recoveries in each run_dir/summary.json (`deadpool run|demo --out`)."""
+    recoveries = []
+    for run_dir in run_dirs:
+        path = run_dir / "summary.json"
+        try:
+            found = json.loads(path.read_text())["recoveries"]
+        except (OSError, ValueError, KeyError) as error:
+            raise ValueError(f"--phases-from: cannot read the recoveries of {path} ({error}); give the --out "
+                             f"directory of a finished `deadpool demo` or `deadpool run` that had a swap") from None
+        if not found:
+            raise ValueError(f"--phases-from: {path} records no recovery; inject a failure (deadpool demo) first")
+        recoveries += found
     return {phase: statistics.median(r[f"{phase}_s"] for r in recoveries) for phase in PHASES}
 
 
@@ -54,8 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for phase in PHASES:
         p.add_argument(f"--{phase}-s", type=float, default=None,
                        help=f"hot swap: {phase} phase (default: --phases-from, else {_DEFAULTS[phase + '_s']})")
-    p.add_argument("--phases-from", type=Path, default=None, metavar="RUN_DIR",
-                   help="take the hot-swap phases measured in a run directory (median over its recoveries)")
+    p.add_argument("--phases-from", type=Path, nargs="+", default=None, metavar="RUN_DIR",
+                   help="take the hot-swap phases measured in these run directories (median over their recoveries)")
     p.add_argument("--spares", type=int, default=None, help="hot-swap spares (default: the fewest for --stall-target)")
     p.add_argument("--stall-target", type=float, default=1e-3, help="stalls per day to stay under (default: 0.001)")
     p.add_argument("--days", type=float, default=30.0, help="Monte Carlo horizon per run (default: 30)")
@@ -126,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"deadpool simulate: error: {error}", file=sys.stderr)
         return 2
     swap = rows[0]["params"]
-    source = f"measured in {args.phases_from}" if args.phases_from else "model defaults"
+    source = f"measured in {' '.join(map(str, args.phases_from))}" if args.phases_from else "model defaults"
     print(f"{args.runs} Monte Carlo runs of {args.days:g} days per size, seed {args.seed}. Hot swap costs "
           f"{rows[0]['swap_s']:.2f} s a failure (phases, {source}: "
           + " + ".join(f"{phase} {swap[phase + '_s']:.3g}" for phase in PHASES)

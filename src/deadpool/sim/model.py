@@ -69,10 +69,10 @@ class ClusterParams:
     gpus_per_node: int = 8
     mttf_hours_at_1024: float = 7.9        # job MTTF of 1,024 GPUs; math.inf: nothing ever fails
     step_s: float = 5.0
-    detect_s: float = 0.08                 # hot-swap phases, as measured on our 2-core box
-    decide_s: float = 0.001
-    report_s: float = 0.48
-    rebuild_s: float = 0.19
+    detect_s: float = 0.07                 # hot-swap phases: medians of `deadpool demo` on our 2-core box
+    decide_s: float = 0.001                # (docs/benchmarks.md); --phases-from takes your own
+    report_s: float = 0.08
+    rebuild_s: float = 0.12
     restore_s: float = 0.02
     ckpt_interval_s: float | None = None   # work between checkpoints; None: Young/Daly
     ckpt_cost_s: float = 30.0              # training stall per checkpoint (checkpoint_restart only)

@@ -10,7 +10,7 @@ import torch
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
 from deadpool.bench.overhead import (PROCESS_BYTES, SIZES, VARIANTS, deadpool_memory, measure, parameter_counts,
-                                     parse_ranks, parse_sizes, parse_variants, run_steps, summarize)
+                                     parse_ranks, parse_sizes, parse_variants, run_steps, summarize, table)
 from deadpool.bench.plots import plot_overhead
 from deadpool.errors import ConfigError
 
@@ -59,6 +59,28 @@ def test_deadpool_wait_counts_as_blocked_and_auto_reports_its_interval():
     assert (m["wait_fraction"], m["chosen_every"]) == (0.25, 9)
 
 
+def test_snapshots_in_the_window_are_those_whose_cost_falls_in_it():
+    """Steps 6 and 7 are measured: the snapshots of steps 5 and 6 run during them; step 7's, after the end."""
+    events = [step(0, s, float(s)) for s in range(1, 8)]
+    events += [{"event": "snapshot", "rank": 0, "step": s, "t": s + 0.1} for s in (4, 5, 6, 7)]
+    assert measure(events, warmup=5)["snapshots_in_window"] == 2
+    assert measure([e for e in events if e.get("step") not in (5, 6) or e["event"] == "step"],
+                   warmup=5)["snapshots_in_window"] == 0
+
+
+def test_an_auto_row_whose_window_missed_every_snapshot_says_so_with_an_estimate():
+    variants = [VARIANTS[n] for n in ("deadpool-off", "deadpool-every-1", "deadpool-auto")]
+    rounds = {"deadpool-off": [run(1.0)], "deadpool-every-1": [run(1.2, snapshots=5)],
+              "deadpool-auto": [run(1.0, chosen_every=40, snapshots=0)]}
+    rows = [{"size": "1M", "params": 1, "batch_size": 8, "ranks": 2, "steps": 15, "warmup_steps": 10, **row}
+            for row in summarize(variants, rounds, ckpt_every=5)]
+    text = table(rows)
+    assert "the 5 measured steps held 0: this figure leaves its cost out" in text
+    assert "every-1's extra time / 40 = 0.50% of a step" in text  # 0.2 s / 40 / 1.0 s
+    rounds["deadpool-auto"] = [run(1.0, chosen_every=4, snapshots=1)]
+    assert "note" not in table([dict(rows[0], **row) for row in summarize(variants, rounds, ckpt_every=5)])
+
+
 def test_an_async_save_written_after_the_last_step_is_reported():
     events = [step(0, s, float(s)) for s in range(1, 9)]
     events += [{"event": "checkpoint_written", "rank": 0, "step": 6, "t": 8.5},  # in the window, written after it
@@ -71,8 +93,9 @@ def test_a_run_without_steps_after_warm_up_is_an_error():
         measure([step(0, s, float(s)) for s in range(1, 6)], warmup=5)
 
 
-def run(step_s: float, wait_fraction: float = 0.0, chosen_every: int | None = None) -> dict:
-    return {"step_s": step_s, "wait_fraction": wait_fraction, "chosen_every": chosen_every, "saves_after_window": 0}
+def run(step_s: float, wait_fraction: float = 0.0, chosen_every: int | None = None, snapshots: int = 0) -> dict:
+    return {"step_s": step_s, "wait_fraction": wait_fraction, "chosen_every": chosen_every, "saves_after_window": 0,
+            "snapshots_in_window": snapshots}
 
 
 def test_summary_ratios_against_each_systems_own_baseline_with_spread():

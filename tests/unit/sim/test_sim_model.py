@@ -61,7 +61,7 @@ def test_hot_swap_limits_are_checkpoint_restart_and_pure_swap_cost():
 
 
 def test_swap_cost_is_the_measured_phases_plus_half_a_step():
-    assert ClusterParams(gpus=1024, step_s=2.0).swap_s == pytest.approx(0.08 + 0.001 + 0.48 + 0.19 + 0.02 + 1.0)
+    assert ClusterParams(gpus=1024, step_s=2.0).swap_s == pytest.approx(0.07 + 0.001 + 0.08 + 0.12 + 0.02 + 1.0)
 
 
 def test_failure_rate_scales_inversely_from_7_9_hours_at_1024_gpus():
@@ -220,11 +220,12 @@ def write_summary(run_dir, recoveries: list[dict]) -> None:
     (run_dir / "summary.json").write_text(json.dumps({"recoveries": recoveries}))
 
 
-def test_phases_from_a_run_are_medians_and_a_flag_beats_them(tmp_path):
+def test_phases_from_runs_are_medians_over_all_their_recoveries_and_a_flag_beats_them(tmp_path):
     phases = [{"detect_s": d, "decide_s": 0.001, "report_s": r, "rebuild_s": 0.1, "restore_s": 0.02}
               for d, r in ((0.05, 0.3), (0.09, 0.5), (0.07, 0.4))]
-    write_summary(tmp_path / "run", phases)
-    args = parse(["--phases-from", str(tmp_path / "run"), "--rebuild-s", "0.25"])
+    write_summary(tmp_path / "one", phases[:1])
+    write_summary(tmp_path / "two", phases[1:])
+    args = parse(["--phases-from", str(tmp_path / "one"), str(tmp_path / "two"), "--rebuild-s", "0.25"])
     assert cli.swap_phases(args) == {"detect_s": 0.07, "decide_s": 0.001, "report_s": 0.4, "rebuild_s": 0.25,
                                      "restore_s": 0.02}
     defaults = cli.swap_phases(parse([]))
