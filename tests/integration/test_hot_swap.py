@@ -59,7 +59,8 @@ def test_two_failures_with_two_spares(tmp_path, reference):
 def test_a_second_kill_in_the_middle_of_a_recovery(tmp_path, reference):
     """Rank 2 dies while the job recovers from rank 1's death: the coordinator abandons generation 1
     for generation 2, both spares take over, and the run is still bit-for-bit the reference."""
-    faults = (Fault(kind="kill", rank=1, step=5, phase="backward"), Fault(kind="kill", rank=2, step=5, phase="recovery"))
+    faults = (Fault(kind="kill", rank=1, step=5, phase="backward"),
+              Fault(kind="kill", rank=2, step=5, phase="recovery"))
     job = run_job(tmp_path, spares=2, faults=faults)
     assert_same_training(job, reference)
     assert [e["failed_rank"] for e in job.named("failure_detected")] == [1, 2]

@@ -343,8 +343,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                           if r["variant"] == "deadpool-every-1" and r_off["variant"] == "deadpool-off"), None)
             estimate = f"; every-1's extra time / {every} = {extra / every / row['median_step_s']:.2%} of a step" \
                 if extra is not None else ""
-            lines.append(f"{'':>28} note: auto snapshots every {every} steps, and the {row['steps'] - row['warmup_steps']}"
-                         f" measured steps held {min(row['snapshots_in_window'])}: this figure leaves its cost out"
+            window = row["steps"] - row["warmup_steps"]
+            lines.append(f"{'':>28} note: auto snapshots every {every} steps, and the {window} measured steps "
+                         f"held {min(row['snapshots_in_window'])}: this figure leaves its cost out"
                          f"{estimate}; measure with --steps above {row['warmup_steps'] + every}")
         if row["saves_after_window"]:
             lines.append(f"{'':>28} note: {row['saves_after_window']} async saves still writing after the last "

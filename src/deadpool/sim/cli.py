@@ -133,8 +133,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{args.runs} Monte Carlo runs of {args.days:g} days per size, seed {args.seed}. Hot swap costs "
           f"{rows[0]['swap_s']:.2f} s a failure (phases, {source}: "
           + " + ".join(f"{phase} {swap[phase + '_s']:.3g}" for phase in PHASES)
-          + f" + half a step {swap['step_s'] / 2:g}); checkpoint-restart {swap['ckpt_cost_s']:g} s per checkpoint, restart "
-          f"{swap['restart_s']:g} s; replica dropping {swap['reconfig_s']:g} s + half a step per failure.\n")
+          + f" + half a step {swap['step_s'] / 2:g}); checkpoint-restart {swap['ckpt_cost_s']:g} s per checkpoint, "
+          f"restart {swap['restart_s']:g} s; replica dropping {swap['reconfig_s']:g} s + half a step per failure.\n")
     print(_goodput_table(rows) + "\n\n" + _spares_table(rows, args.stall_target))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
