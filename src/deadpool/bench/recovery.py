@@ -96,8 +96,12 @@ def _torchrun(run_dir: Path, workers: int, steps: int, kill: tuple[int, int] | N
 
 
 def _torchft(run_dir: Path, workers: int, steps: int, kill: tuple[int, int] | None,
-             script_args: tuple[str, ...]) -> list[dict[str, Any]]:
-    code, events = run_torchft(run_dir, workers=workers, steps=steps, kill=kill, script_args=script_args)
+             timeout_s: float) -> list[dict[str, Any]]:
+    """timeout_s: the lighthouse's heartbeat timeout and the gloo timeout, which together set how long
+    the survivors wait before they train on without the dead replica (torchft's defaults: 5 s each)."""
+    code, events = run_torchft(run_dir, workers=workers, steps=steps, kill=kill,
+                               script_args=("--pg-timeout-s", f"{timeout_s:g}"),
+                               heartbeat_timeout_ms=round(timeout_s * 1000))
     if code != 0:
         raise RuntimeError(f"torchft run {run_dir} failed with exit code {code}; see {run_dir}/torchft.log")
     return events
@@ -116,8 +120,9 @@ def compare(out: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
          lambda run_dir, k: _torchrun(run_dir, args.workers, args.steps, k, args.ckpt_every, ()))]
     if not args.no_torchft:
         if torchft_available():
-            systems.append(("torchft", "torchft",
-                            lambda run_dir, k: _torchft(run_dir, args.workers, args.steps, k, ())))
+            name = "torchft" if args.torchft_timeout == 5.0 else f"torchft(timeouts {args.torchft_timeout:g} s)"
+            systems.append((name, "torchft",
+                            lambda run_dir, k: _torchft(run_dir, args.workers, args.steps, k, args.torchft_timeout)))
         else:
             print('torchft not installed: pip install -e ".[torchft]"', flush=True)
     references = {name: run(out / f"{prefix}-reference", None) for name, prefix, run in systems}
