@@ -64,7 +64,8 @@ import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 
 import deadpool
-from deadpool.bench.baselines.torchrun_dcp import Events, rng_state, set_rng_state, state_sha256
+from deadpool.bench.baselines.torchrun_dcp import (Events, add_example_arguments, rng_state, set_rng_state,
+                                                   state_sha256)
 
 sys.path.insert(0, str(Path(deadpool.__file__).resolve().parents[2] / "examples" / "gpt"))
 from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E402
@@ -76,17 +77,7 @@ MAX_DISCARDED_IN_A_ROW = 10  # then should_commit() raises instead of retrying f
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # The example's arguments (examples/gpt/train.py), same defaults.
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--data", default=None, help="a UTF-8 text file (default: the Python docs' topics)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=1337)
+    add_example_arguments(p)
     # The baseline's own.
     p.add_argument("--replica", type=int, required=True, help="this replica group's index, its data rank")
     p.add_argument("--replicas", type=int, required=True, help="replica groups in the job (N)")

@@ -72,9 +72,8 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 SAVE_TIMEOUT_S = 600.0  # the longest a rank waits for a background save to finish
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # The example's arguments (examples/gpt/train.py), same defaults.
+def add_example_arguments(p: argparse.ArgumentParser) -> None:
+    """The example's arguments (examples/gpt/train.py), same defaults: every baseline trains the same job."""
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--data", default=None, help="a UTF-8 text file (default: the Python docs' topics)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
@@ -85,6 +84,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1337)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_example_arguments(p)
     # The baseline's own.
     p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint after every K-th step (0 = never)")
     p.add_argument("--async-save", action="store_true",
