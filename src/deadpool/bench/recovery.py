@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable
 
 from deadpool.bench.baselines.run_torchft import run_torchft, torchft_available
@@ -18,15 +18,7 @@ from deadpool.config import Fault, JobConfig
 from deadpool.demo import EXAMPLE
 from deadpool.launcher.cli import default_out
 from deadpool.launcher.launch import launch
-
-
-def last_losses(events: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
-    """rank -> step -> loss of the step's last execution."""
-    losses: dict[int, dict[int, float]] = {}
-    for e in events:
-        if e["event"] == "step":
-            losses.setdefault(e["rank"], {})[e["step"]] = e["loss"]
-    return losses
+from deadpool.report import final_losses
 
 
 def final_hashes(events: list[dict[str, Any]]) -> dict[int, str]:
@@ -71,7 +63,7 @@ def recovery_row(system: str, rep: int, events: list[dict[str, Any]],
             "samples_lost": sum((expected - trained).values()),
             "samples_unexpected": sum((trained - expected).values()),
             "bitwise_equal": final_hashes(events) == final_hashes(reference)
-            and last_losses(events) == last_losses(reference)}
+            and final_losses(events) == final_losses(reference)}
 
 
 def _deadpool(run_dir: Path, workers: int, steps: int, kill: tuple[int, int] | None,
