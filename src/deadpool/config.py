@@ -9,7 +9,7 @@ from pathlib import Path
 
 from deadpool.errors import ConfigError
 
-FAULT_KINDS = ("kill", "corrupt_replica")
+FAULT_KINDS = ("kill", "hang", "error", "corrupt_replica")
 FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate", "recovery")
 BACKLOG_POLICIES = ("wait", "skip")
 
@@ -18,10 +18,12 @@ BACKLOG_POLICIES = ("wait", "skip")
 class Fault:
     """One injected fault: `kind` hits `rank` in `phase` of `step`, once per job.
 
-    `kill` SIGKILLs the process running that rank; `corrupt_replica` flips a byte of the
-    replica of that rank's snapshot `step` in its holder's memory (phase is ignored). Phase
-    `recovery` fires while the rank recovers from another failure that struck during `step`
-    (after it left the old group, before it reports its snapshots).
+    `kill` SIGKILLs the process running that rank; `hang` stops it with SIGSTOP (it stays alive,
+    silent, holding its sockets: only the hang detector can tell); `error` raises an exception in
+    the training script (a bug, not a node failure); `corrupt_replica` flips a byte of the replica
+    of that rank's snapshot `step` in its holder's memory (phase is ignored). Phase `recovery`
+    fires while the rank recovers from another failure that struck during `step` (once the new
+    plan names it, before it reports its snapshots).
     """
 
     kind: str
@@ -44,6 +46,9 @@ class JobConfig:
 
     snapshot_every: 0 turns snapshots off, K snapshots after every K-th step, "auto" measures the
     snapshot cost and picks the densest interval whose cost stays within `snapshot_budget` of a step.
+    settle_s: failures that arrive within this window of the first are recovered as one set.
+    hang_timeout_s: a rank that makes no progress this long while its peers wait is fenced; None
+    adapts it to the job (coordinator/policy.py: hang_timeout).
     """
 
     script: str
@@ -59,6 +64,8 @@ class JobConfig:
     snapshot_budget: float = 0.01
     backlog_policy: str = "wait"
     poll_interval_s: float = 0.02
+    settle_s: float = 0.1
+    hang_timeout_s: float | None = None
     decision_timeout_s: float = 10.0
     recovery_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0
@@ -85,6 +92,13 @@ class JobConfig:
         for (a, va), (b, vb) in zip(chain, chain[1:]):
             if not 0 < va < vb:
                 raise ConfigError(f"timeouts must satisfy 0 < {a} < {b}, got {a}={va}s {b}={vb}s")
+        if not 0 <= self.settle_s < self.decision_timeout_s:
+            raise ConfigError(f"--settle-window must be in [0, decision-timeout), got {self.settle_s}s")
+        hang = self.hang_timeout_s
+        if hang is not None and not self.poll_interval_s < hang < self.collective_timeout_s:
+            raise ConfigError(f"--hang-timeout must lie between the poll interval ({self.poll_interval_s}s) and "
+                              f"the collective timeout ({self.collective_timeout_s}s), got {hang}s: a survivor "
+                              "must not give up on a collective before a hung peer is fenced")
         if not self.connect_timeout_s > 0:  # also rejects NaN
             raise ConfigError(f"connect timeout must be positive, got {self.connect_timeout_s}")
         for fault in self.faults:

@@ -1,4 +1,4 @@
-"""`deadpool demo`: train the example GPT, SIGKILL a worker mid-step, then rerun without the failure and compare."""
+"""`deadpool demo`: train the example GPT, kill or hang workers mid-step, then rerun without the failure and compare."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from pathlib import Path
 
 from deadpool.config import Fault
 from deadpool.errors import ConfigError
-from deadpool.launcher.cli import default_out, job_config
 from deadpool.launcher.launch import launch
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
+from deadpool.launcher.options import EXAMPLE, default_out, job_config
 
 
 def _banner(text: str) -> None:
@@ -24,10 +22,11 @@ def _print_recoveries(summary: dict) -> None:
     for r in summary["recoveries"]:
         phases = ", ".join(f"{name} {r[name + '_s']:.2f} s" for name in ("detect", "decide", "report", "restore", "rebuild")
                            if r.get(name + "_s") is not None)
-        print(f"swap in generation {r['generation']}: {r['cause']}; {', '.join(f'{s} took rank {k}' for k, s in r['replaced'].items())}\n"
+        takers = ", ".join(f"{s} took rank {k}" for k, s in r["replaced"].items())
+        print(f"recovery in generation {r['generation']}: {r['cause']}; {takers}\n"
               f"  restored step {r['restored_step']}, replayed {r['steps_replayed']} finished step(s); "
-              f"kill -> next step {r['kill_to_next_step_s']:.2f} s, back at step {r['kill_step']} after "
-              f"{r['kill_to_frontier_s']:.2f} s\n  phases: {phases}", flush=True)
+              f"{r['fault']} -> next step {r['fault_to_next_step_s']:.2f} s, back at step {r['kill_step']} after "
+              f"{r['fault_to_frontier_s']:.2f} s\n  phases: {phases}", flush=True)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -36,20 +35,20 @@ def demo(args: argparse.Namespace) -> int:
                           "installed with `pip install -e .`")
     if not 1 <= args.fail_at <= args.steps:
         raise ConfigError(f"--fail-at must be a step between 1 and --steps ({args.steps}), got {args.fail_at}")
-    if args.spares < 1:
-        raise ConfigError("the demo needs at least one spare (--spares 1) to show a hot swap")
-    rank = args.fail_rank if args.fail_rank is not None else random.randrange(args.workers)
+    ranks = args.fail_rank if args.fail_rank is not None else [random.randrange(args.workers)]
+    if len(ranks) > args.spares:
+        raise ConfigError(f"failing {len(ranks)} worker(s) at once needs as many spares, got --spares {args.spares}")
     out = args.out or default_out("demo")
     script_args = ["--steps", str(args.steps), "--log-every", "5"]
-    fault = Fault(kind="kill", rank=rank, step=args.fail_at, phase="backward")
-
-    _banner(f"training on {args.workers} workers + {args.spares} spare(s); rank {rank} is SIGKILLed in the backward "
-            f"pass of step {args.fail_at}")
-    code, faulty = launch(job_config(args, str(EXAMPLE), script_args, out, faults=[fault]))
+    faults = [Fault(kind=args.fail, rank=rank, step=args.fail_at, phase="backward") for rank in ranks]
+    how = "SIGKILLed" if args.fail == "kill" else "stopped with SIGSTOP (a hang)"
+    _banner(f"training on {args.workers} workers + {args.spares} spare(s); rank(s) {', '.join(map(str, ranks))} "
+            f"{how} in the backward pass of step {args.fail_at}")
+    code, faulty = launch(job_config(args, str(EXAMPLE), script_args, out, faults=faults))
     if code != 0:
         print(f"the run with a failure did not finish: {faulty['error']}", file=sys.stderr)
         return code
-    _banner("what the swap cost")
+    _banner("what the recovery cost")
     _print_recoveries(faulty)
 
     _banner("the same job without the failure, for comparison")

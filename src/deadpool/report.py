@@ -19,41 +19,52 @@ def final_losses(events: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
 
 
 def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, Any]:
-    """One swap's timeline, from the kill (or its detection) to being back where the failure struck."""
-    gen = done["gen"]
-    detected = next(e for e in events if e["event"] == "failure_detected" and e["gen"] == gen - 1)
-    # an injected kill explains this failure only if it came after the previous generation began
-    began = max((e["t"] for e in events if e["event"] == "plan_published" and e["gen"] == gen - 1), default=float("-inf"))
-    kill = next((e for e in reversed(events) if e["event"] == "fault_injected" and e["kind"] == "kill"
-                 and began <= e["t"] <= detected["t"]), None)
-    t_fail = kill["t"] if kill else detected["t"]
+    """One recovery's timeline, from the fault (or its detection) to being back where the failure struck.
+
+    A recovery may span generations (a failure during a recovery is planned together with the first):
+    it starts at the first detection the coordinator recorded in `done` and ends at `done`.
+    """
+    gen, t_detect, hang = done["gen"], done["detected_t"], done["hang"]
+    # an injected fault explains this failure only if it came after the previous recovery completed
+    began = max((e["t"] for e in events if e["event"] == "swap_complete" and e["t"] < t_detect), default=float("-inf"))
+    faults = [e for e in events if e["event"] == "fault_injected" and e["kind"] in ("kill", "hang")
+              and began <= e["t"] <= t_detect]
+    first = min(faults, key=lambda e: e["t"], default=None)
+    t_fail = first["t"] if first else (hang["last_progress_t"] if hang else t_detect)
     completed = [e["step"] for e in events if e["event"] == "step" and e["t"] < t_fail]
-    kill_step = kill["step"] if kill else max(completed, default=0) + 1
-    published = next(e for e in events if e["event"] == "plan_published" and e["gen"] == gen)
+    fault_step = first["step"] if first else max(completed, default=0) + 1
+    published = [e for e in events if e["event"] == "plan_published" and t_detect <= e["t"] <= done["t"]]
     decided = next(e for e in events if e["event"] == "restore_decided" and e["gen"] == gen)
     recovered = [e for e in events if e["event"] == "recovered" and e["gen"] == gen]
     steps = [e for e in events if e["event"] == "step" and e["gen"] == gen]
     t_next = min((e["t"] for e in steps), default=None)
-    t_frontier = min((e["t"] for e in steps if e["step"] >= kill_step), default=None)
+    t_frontier = min((e["t"] for e in steps if e["step"] >= fault_step), default=None)
     target = done["restored_step"]
+    to_next = None if t_next is None else t_next - t_fail
+    to_frontier = None if t_frontier is None else t_frontier - t_fail
     return {
         "generation": gen,
         "cause": done["cause"],
-        "failed_rank": detected["failed_rank"],
+        "fault": first["kind"] if first else ("hang" if hang else "exit"),
+        "failed_rank": done["failed"][0]["rank"] if done["failed"] else None,
+        "failed_ranks": [f["rank"] for f in done["failed"] if f["rank"] is not None],
         "replaced": done["replaced"],
-        "kill_step": kill_step,
+        "kill_step": fault_step,
         "restored_step": target,
-        "steps_replayed": max(0, kill_step - 1 - target),
-        "detect_s": detected["t"] - t_fail,
-        "decide_s": published["t"] - detected["t"],
-        "report_s": decided["t"] - published["t"],
+        "steps_replayed": max(0, fault_step - 1 - target),
+        # a hang is detected when the verdict falls, counted from the rank's last progress
+        "detect_s": (hang["verdict_t"] - hang["last_progress_t"]) if hang else t_detect - t_fail,
+        "decide_s": published[0]["t"] - t_detect if published else None,
+        "report_s": decided["t"] - published[-1]["t"] if published else None,
         "restore_s": max((e["restore_s"] for e in recovered), default=None),
         "rebuild_s": max((e["rebuild_s"] for e in recovered), default=None),
         "resume_s": done["t"] - t_fail,
         "replay_s": None if t_frontier is None else t_frontier - done["t"],
-        "total_s": None if t_next is None else t_next - t_fail,
-        "kill_to_next_step_s": None if t_next is None else t_next - t_fail,
-        "kill_to_frontier_s": None if t_frontier is None else t_frontier - t_fail,
+        "total_s": to_next,
+        "fault_to_next_step_s": to_next,
+        "fault_to_frontier_s": to_frontier,
+        "kill_to_next_step_s": to_next,
+        "kill_to_frontier_s": to_frontier,
     }
 
 

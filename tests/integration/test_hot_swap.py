@@ -38,10 +38,10 @@ def test_sigkill_in_any_phase_is_hot_swapped_bit_for_bit(tmp_path, reference, ph
     # snapshot 3's commit; so step 3 is committed at the kill, 4 and 5 may be (load decides)
     assert recovery["restored_step"] in (3, 4, 5)
     assert recovery["steps_replayed"] == 5 - recovery["restored_step"]
-    # every rank (survivors and the spare) resumed from the same step, under the new generation
+    # every rank (survivors and the spare, through the same state machine) resumed from the same step
     resumed = {e["rank"]: e["restored_step"] for e in job.named("recovered")}
     [activated] = job.named("spare_activated")
-    assert resumed == {0: recovery["restored_step"], 2: recovery["restored_step"], 3: recovery["restored_step"]}
+    assert resumed == {rank: recovery["restored_step"] for rank in range(4)}
     assert activated["restored_step"] == recovery["restored_step"] and activated["proc"] == "s0"
     assert {e["gen"] for e in job.named("finished")} == {1}
 
@@ -77,7 +77,7 @@ def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
     assert job.code == 1
     assert job.summary["swaps"] == 1
     error = job.summary["error"]
-    assert "rank 2 (w2," in error and "killed by SIGKILL" in error and "no spare left" in error
+    assert "rank 2 (w2," in error and "killed by SIGKILL" in error and "no spare is left" in error
     committed = [e["step"] for e in job.events if e["event"] == "commit"]
     assert f"Last committed step: {max(committed)}." in error
     [failed] = job.named("job_failed")
@@ -87,7 +87,7 @@ def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
 def test_no_spare_at_all(tmp_path):
     job = run_job(tmp_path, spares=0, faults=(Fault(kind="kill", rank=0, step=3, phase="backward"),))
     assert job.code == 1 and job.summary["swaps"] == 0
-    assert "rank 0 (w0," in job.summary["error"] and "no spare left in the pool" in job.summary["error"]
+    assert "rank 0 (w0," in job.summary["error"] and "no spare is left in the pool" in job.summary["error"]
 
 
 def test_corrupted_replica_is_never_restored_from(tmp_path):

@@ -28,7 +28,7 @@ def test_fault_accepts_every_catalog_phase(phase):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(kind="explode", rank=0, step=1),
-     "fault kind 'explode' is not one of ('kill', 'corrupt_replica')"),
+     "fault kind 'explode' is not one of ('kill', 'hang', 'error', 'corrupt_replica')"),
     (dict(kind="kill", rank=0, step=1, phase="sideways"),
      "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', 'after_optimizer', "
      "'snapshot_copy', 'replicate', 'recovery')"),
@@ -117,7 +117,8 @@ def test_timeouts_must_be_strictly_ordered(overrides, message):
 
 
 def test_accepts_tight_but_ordered_timeouts():
-    config = job(poll_interval_s=0.01, decision_timeout_s=0.02, recovery_timeout_s=0.03, collective_timeout_s=0.04)
+    config = job(poll_interval_s=0.01, settle_s=0.0, decision_timeout_s=0.02, recovery_timeout_s=0.03,
+                 collective_timeout_s=0.04)
     assert config.collective_timeout_s == 0.04
 
 

@@ -52,7 +52,8 @@ def one_swap_events() -> list[dict]:
         ev("recovered", 11.375, 1, 1, restored_step=5, frontier=6, negotiate_s=0.125, restore_s=0.375,
            rebuild_s=0.125, total_s=0.625),
         ev("swap_complete", 11.5, 1, None, restored_step=5, replaced={"1": "s0"},
-           cause="rank 1 (w1, pid 100) killed by SIGKILL", detect_to_resume_s=1.0),
+           cause="rank 1 (w1, pid 100) killed by SIGKILL", detect_to_resume_s=1.0, detected_t=10.5,
+           failed=[{"proc": "w1", "rank": 1, "exit": "killed by SIGKILL"}], hang=None),
     ]
     events += steps(1, 6, 8, 12.0, GEN1_LOSS)  # step 6 at 12.0, step 7 (the frontier) at 12.125
     events += [ev("finished", 12.5, 1, 0, step=8, state_sha256="aa", entry_sha256={}),
@@ -67,7 +68,9 @@ def test_one_swap_summary(tmp_path):
     assert summary["recoveries"] == [{
         "generation": 1,
         "cause": "rank 1 (w1, pid 100) killed by SIGKILL",
+        "fault": "kill",
         "failed_rank": 1,
+        "failed_ranks": [1],
         "replaced": {"1": "s0"},
         "kill_step": 7,
         "restored_step": 5,
@@ -80,6 +83,8 @@ def test_one_swap_summary(tmp_path):
         "resume_s": 1.5,                # kill -> swap_complete
         "replay_s": 0.625,              # swap_complete -> first step >= kill step
         "total_s": 2.0,                 # kill -> first step of the new generation
+        "fault_to_next_step_s": 2.0,
+        "fault_to_frontier_s": 2.125,
         "kill_to_next_step_s": 2.0,
         "kill_to_frontier_s": 2.125,
     }]
@@ -158,7 +163,8 @@ def crash_events() -> list[dict]:
         ev("restore_decided", 2.5, 1, None, target=4),
         ev("recovered", 2.75, 1, 0, restore_s=0.125, rebuild_s=0.25),
         ev("recovered", 2.75, 1, 1, restore_s=0.125, rebuild_s=0.25),
-        ev("swap_complete", 3.0, 1, None, restored_step=4, replaced={"0": "s0"}, cause="rank 0 crashed"),
+        ev("swap_complete", 3.0, 1, None, restored_step=4, replaced={"0": "s0"}, cause="rank 0 crashed",
+           detected_t=2.0, failed=[{"proc": "w0", "rank": 0, "exit": "exited with code 1"}], hang=None),
     ]
     events += steps(1, 5, 5, 3.5, GEN0_LOSS)
     return events
@@ -185,7 +191,8 @@ def two_swaps_events() -> list[dict]:
         ev("restore_decided", 20.5, 2, None, target=8),
         ev("recovered", 20.75, 2, 0, restore_s=0.125, rebuild_s=0.125),
         ev("recovered", 20.75, 2, 1, restore_s=0.125, rebuild_s=0.125),
-        ev("swap_complete", 21.0, 2, None, restored_step=8, replaced={"0": "s1"}, cause="rank 0 crashed"),
+        ev("swap_complete", 21.0, 2, None, restored_step=8, replaced={"0": "s1"}, cause="rank 0 crashed",
+           detected_t=20.0, failed=[{"proc": "w0", "rank": 0, "exit": "exited with code 1"}], hang=None),
     ]
     events += steps(2, 9, 9, 21.5, {9: 2.0})
     return events
@@ -208,3 +215,27 @@ def test_two_swaps_second_is_not_attributed_to_the_first_kill(tmp_path):
     assert second["detect_s"] == 0.0
     assert second["kill_step"] == 9
     assert second["steps_replayed"] == 0
+
+
+def test_a_hang_is_timed_from_the_fault_and_detected_from_the_last_progress(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at t=10; its last progress was seen at 10.125, the verdict fell at 13.25."""
+    events = steps(0, 1, 6, 9.0, GEN0_LOSS)
+    events += [
+        ev("fault_injected", 10.0, 0, 1, kind="hang", target_rank=1, step=7, phase="backward"),
+        ev("hang_detected", 13.25, 0, None, proc="w1", hung_rank=1, last_progress_t=10.125),
+        ev("failure_detected", 13.375, 0, None, proc="w1", failed_rank=1, exit="hung, and fenced (SIGKILL)"),
+        ev("plan_published", 13.5, 1, None),
+        ev("restore_decided", 13.75, 1, None, target=6),
+        ev("recovered", 14.0, 1, 0, restore_s=0.125, rebuild_s=0.125),
+        ev("swap_complete", 14.0, 1, None, restored_step=6, replaced={"1": "s0"}, cause="rank 1 (w1) hung",
+           detected_t=13.25, failed=[{"proc": "w1", "rank": 1, "exit": "hung, and fenced (SIGKILL)"}],
+           hang={"rank": 1, "proc": "w1", "last_progress_t": 10.125, "verdict_t": 13.25}),
+    ]
+    events += steps(1, 7, 7, 14.5, {7: 2.0})
+    path = tmp_path / "events.jsonl"
+    write(path, events)
+    (rec,) = summarize(path, exit_code=0)["recoveries"]
+    assert rec["fault"] == "hang" and rec["kill_step"] == 7 and rec["steps_replayed"] == 0
+    assert rec["detect_s"] == 3.125                 # last progress -> verdict
+    assert rec["decide_s"] == 0.25                  # verdict -> plan
+    assert rec["fault_to_next_step_s"] == 4.5       # SIGSTOP -> the next completed step

@@ -47,10 +47,9 @@ from typing import Any
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
 from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
-from deadpool.demo import EXAMPLE
 from deadpool.errors import ConfigError
 from deadpool.events import read_events
-from deadpool.launcher.cli import default_out
+from deadpool.launcher.options import EXAMPLE, default_out
 from deadpool.launcher.launch import launch
 from deadpool.runtime.session import CALIBRATION_STEPS
 

@@ -1,18 +1,31 @@
-"""Pure decisions of the coordinator: each returns what to do and why. No I/O, no threads, no torch."""
+"""Pure decisions of the coordinator: each returns what to do and why. No I/O, no threads, no torch.
+
+The coordinator's loop (server.py) gathers the inputs, calls these, applies the decision and logs its
+reason: how a process ended (classify_exit), who replaces whom (plan_after_failures), which step is
+committed (commit_step), who is hung (hang_verdict, hang_timeout), which step to restore
+(choose_restore_step).
+"""
 
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from typing import Generic, Mapping, TypeVar
 
 from deadpool.coordinator.protocol import Plan
 
+T = TypeVar("T")
+
+HANG_FLOOR_S = 3.0      # never call a rank hung sooner: scheduling hiccups on a busy host last this long
+HANG_STEP_MULTIPLE = 8  # ... nor before this many of its median steps have passed without progress
+HANG_UNTIMED_S = 10.0   # before any step has been timed (start-up, compilation, first step)
+
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(Generic[T]):
     """A policy's answer: `value` is None when there is nothing that can be done, and `reason` says why."""
 
-    value: object
+    value: T | None
     reason: str
 
     @property
@@ -30,6 +43,32 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+# ---- how a process ended -------------------------------------------------------------------
+
+FINISHED, SCRIPT_ERROR, FAILURE = "finished", "script_error", "failure"
+
+
+def classify_exit(returncode: int, *, fenced: bool, started: bool, script_error: str | None) -> Decision[str]:
+    """A node failure is what a spare can fix; a bug in the script would only be replayed into again.
+
+    - exit code 0: the process finished;
+    - an error the runtime reported as the script's own (an exception outside the communication layer),
+      or a non-zero exit before deadpool.init() (syntax error, bad import, bad arguments): script error;
+    - death by a signal, a fence after a hang, or any other non-zero exit: a failure of that process.
+    """
+    if returncode == 0:
+        return Decision(FINISHED, "exited with code 0")
+    if script_error is not None and not fenced:
+        return Decision(SCRIPT_ERROR, f"the training script raised {script_error}")
+    if returncode > 0 and not started:
+        return Decision(SCRIPT_ERROR, f"the training script {describe_exit(returncode)} before deadpool.init()")
+    if fenced:
+        return Decision(FAILURE, "hung, and fenced (SIGKILL)")
+    return Decision(FAILURE, describe_exit(returncode))
+
+
+# ---- who replaces whom ---------------------------------------------------------------------
+
 def place_replicas(world_size: int, spares: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     """Rank r's snapshots go to spare r mod S: each spare holds about world/S ranks, and with no
     spare nobody holds a replica (a failure is then unrecoverable from memory)."""
@@ -45,39 +84,136 @@ def initial_plan(world_size: int, spares: tuple[str, ...], replicate: bool = Tru
     return Plan(generation=0, ranks=ranks, holders=holders, spares=spares, replicate=replicate)
 
 
-def plan_after_failure(plan: Plan, failed_proc: str, alive: set[str]) -> Decision:
-    """Replaces a failed rank with a spare that holds its replica, and re-places all replicas.
+def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> Decision[Plan]:
+    """The next plan after every process in `lost` is gone, or None and why the job cannot go on.
 
-    A failed idle spare shrinks the pool; if it held replicas, a new generation re-places them on
-    the others (the workers roll back to the last commit); if it held none, the generation stays.
+    `steady` is the last plan that finished recovering: its holders are the ones that really hold
+    replicas (a plan still recovering has placed nothing yet), so failures that pile up during a
+    recovery are planned from it, as one set. Each lost rank goes to a live spare, preferably one
+    that holds its replica; otherwise a live holder streams the replica to the taker (`sources`).
+    A lost idle spare shrinks the pool; it needs a new generation (everyone rolls back to the last
+    commit) only if it held replicas, which are then placed anew. `generation` is the newest one
+    published; the new plan gets the next number, or the same one when nothing needs rebuilding.
     """
-    spares = tuple(s for s in plan.spares if s in alive and s != failed_proc)
-    place = spares if plan.replicate else ()
-    rank = plan.rank_of(failed_proc)
-    if rank is None:
-        held = bool(plan.held_by(failed_proc))
-        new = Plan(generation=plan.generation + held, ranks=plan.ranks, holders=place_replicas(plan.world_size, place),
-                   spares=spares, reason=f"spare {failed_proc} lost; {len(spares)} left", replicate=plan.replicate)
-        return Decision(new, new.reason)
-    candidates = [s for s in plan.holders[rank] if s in spares]
-    if not candidates:
-        why = "no spare left in the pool" if not spares else f"no live spare holds rank {rank}'s snapshot"
-        return Decision(None, why)
-    spare = candidates[0]
-    ranks = tuple(spare if r == rank else p for r, p in enumerate(plan.ranks))
-    pool = tuple(s for s in spares if s != spare)
-    new = Plan(generation=plan.generation + 1, ranks=ranks,
-               holders=place_replicas(plan.world_size, pool if plan.replicate else ()), spares=pool,
-               reason=f"{failed_proc} (rank {rank}) failed; spare {spare} takes rank {rank}", replicate=plan.replicate)
-    return Decision(new, new.reason)
+    pool = [s for s in steady.spares if s not in lost]
+    dead = [r for r, p in enumerate(steady.ranks) if p in lost]
+    ranks, sources, moves = list(steady.ranks), [None] * steady.world_size, []
+    for rank in dead:
+        live = [h for h in steady.holders[rank] if h not in lost]
+        who = f"{steady.ranks[rank]} (rank {rank})"
+        if not pool:
+            return Decision(None, f"{who} failed and no spare is left in the pool")
+        if not live:
+            why = "snapshots are off (--snapshot-every 0), so nobody holds its state" if not steady.replicate else (
+                f"every holder of its replica ({', '.join(steady.holders[rank]) or 'none'}) is lost too")
+            return Decision(None, f"{who} failed and {why}")
+        taker = next((h for h in live if h in pool), pool[0])
+        pool.remove(taker)
+        ranks[rank] = taker
+        sources[rank] = None if taker in live else live[0]
+        moves.append(f"{taker} takes rank {rank}" + ("" if sources[rank] is None else f" (from {live[0]}'s replica)"))
+    lost_spares = [s for s in steady.spares if s in lost]
+    if dead:
+        failed = ", ".join(f"{steady.ranks[r]} (rank {r})" for r in dead)
+        reason = f"{failed} failed; {', '.join(moves)}"
+    else:
+        reason = f"spare {', '.join(lost_spares)} lost; {len(pool)} left"
+    rebuild = bool(dead) or generation != steady.generation or any(steady.held_by(s) for s in lost_spares)
+    new = Plan(generation=generation + rebuild, ranks=tuple(ranks),
+               holders=place_replicas(steady.world_size, tuple(pool) if steady.replicate else ()),
+               spares=tuple(pool), reason=reason, replicate=steady.replicate, sources=tuple(sources) if dead else ())
+    return Decision(new, reason)
 
 
-def choose_restore_step(committed: int, holdings: dict[int, list[int]]) -> Decision:
+# ---- commits -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Durable:
+    """One rank's report: the snapshot steps it holds durably (local copy + every holder's ack), and
+    the ones it skipped (--backlog-policy skip), which can therefore never be committed."""
+
+    steps: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+
+
+def commit_step(committed: int | None, reports: Mapping[int, Durable]) -> Decision[int]:
+    """The newest step every rank holds durably, if newer than the last commit."""
+    if not reports:
+        return Decision(None, "no ranks report")
+    common = set.intersection(*(set(r.steps) for r in reports.values()))
+    newer = [s for s in common if committed is None or s > committed]
+    if not newer:
+        return Decision(None, "no newer step is durable on every rank")
+    return Decision(max(newer), f"step {max(newer)} is durable on all {len(reports)} ranks")
+
+
+def abandoned_steps(committed: int | None, reports: Mapping[int, Durable]) -> list[int]:
+    """Steps some rank skipped: no rank needs to keep them, since they can never be committed."""
+    return sorted({s for r in reports.values() for s in r.skipped if committed is None or s > committed})
+
+
+# ---- hangs ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pulse:
+    """What the coordinator knows of one rank's liveness: when its heartbeat last ticked, when its
+    progress (step, phase) last changed, and whether it is waiting on its peers."""
+
+    beat_t: float
+    progress_t: float
+    step: int
+    phase: str
+    waiting: bool
+
+
+def hang_timeout(configured: float | None, step_s: list[float]) -> Decision[float]:
+    """The user's --hang-timeout, else a multiple of the slowest rank's median step with a floor."""
+    if configured is not None:
+        return Decision(configured, f"--hang-timeout {configured:g} s")
+    if not step_s:
+        return Decision(HANG_UNTIMED_S, f"no step timed yet: {HANG_UNTIMED_S:g} s")
+    slowest = max(step_s)
+    value = max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * slowest)
+    return Decision(value, f"{HANG_STEP_MULTIPLE} x the slowest median step ({slowest:.3f} s), "
+                           f"at least {HANG_FLOOR_S:g} s: {value:.1f} s")
+
+
+def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float) -> Decision[frozenset[int]]:
+    """Ranks to fence: silent ones (heartbeat stopped: SIGSTOP, a frozen interpreter), and ranks that
+    work but make no progress while a peer waits for them (spinning in the script, a deadlock).
+
+    A rank that waits in a collective is never the culprit while another rank is silent or stuck:
+    it is the victim. If everyone waits and nobody is silent, no one is to blame here (the
+    collective timeout ends it).
+    """
+    silent = {r for r, p in pulses.items() if now - p.beat_t >= timeout_s}
+    waiting = {r for r, p in pulses.items() if p.waiting}
+    stuck = {r for r, p in pulses.items()
+             if not p.waiting and now - p.progress_t >= timeout_s and waiting - {r}}
+    hung = silent | stuck
+    if not hung:
+        return Decision(None, "every rank progresses or waits on a live peer")
+    parts = []
+    for r in sorted(hung):
+        p = pulses[r]
+        what = "silent (no heartbeat)" if r in silent else "busy without progress"
+        parts.append(f"rank {r} {what} for {now - (p.beat_t if r in silent else p.progress_t):.1f} s "
+                     f"in {p.phase} of step {p.step}")
+    victims = sorted(waiting - hung)
+    reason = "; ".join(parts) + (f" while rank(s) {victims} wait for it" if victims else "")
+    return Decision(frozenset(hung), reason)
+
+
+# ---- restore -------------------------------------------------------------------------------
+
+def choose_restore_step(committed: int | None, holdings: Mapping[int, list[int]]) -> Decision[int]:
     """The newest step, no newer than the last commit, that every rank holds intact.
 
     `holdings` maps each rank of the new generation to the snapshot steps it can restore
-    (a survivor's local slots, or the activated spare's verified replica slots).
+    (a survivor's local slots, or a taker's replica slots, received from their holder).
     """
+    if committed is None:
+        return Decision(None, "no snapshot was committed yet")
     common = set.intersection(*(set(steps) for steps in holdings.values())) if holdings else set()
     usable = sorted(s for s in common if s <= committed)
     if not usable:

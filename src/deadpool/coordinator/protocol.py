@@ -1,18 +1,23 @@
 """Control-plane messages: the store keys and the JSON plan every process reads (no pickle anywhere).
 
-Recovery, as the store sees it (generation g fails, g+1 replaces it):
+Recovery, as the store sees it (a set F of ranks fails in generation g; g+1 replaces it):
 
-    coordinator                      survivors / activated spare
-    -----------                      ---------------------------
-    sees rank f's process exit
+    coordinator                        survivors / takers / holders
+    -----------                        ----------------------------
+    exits or hang verdicts, settled
     set plan/{g+1}, gen=g+1,
-    set abort/{g}          ------>   collective fails or abort/{g} seen; drop old group
-                                     stop snapshot engine
-                           <------   g{g+1}/ready/{rank} = intact snapshot steps
+    set abort/{g}            ------->  collective fails or abort/{g} seen; generation g torn down
+                                       holders stream each taken rank's replica to its taker
+                                       (g{g+1}/xfer/{rank}/), when they are not the same process
+                             <-------  g{g+1}/ready/{rank} = intact snapshot steps
     choose restore step C
-    set committed, g{g+1}/target -->  restore C, join group g{g+1}, agree on (C, checksum)
-                           <------   g{g+1}/resumed/{rank}
-    log swap with its phases
+    set g{g+1}/committed, target -->   restore C, join group g{g+1}, agree on (C, checksum)
+                             <-------  g{g+1}/resumed/{rank}
+    set running/{g+1}                  (holders drop replicas of ranks they no longer hold)
+
+In steady state each rank reports g{g}/durable/{rank} (its durable snapshot steps) and the coordinator
+alone writes g{g}/committed. Every key of a generation carries its number, so nothing of g can be
+mistaken for g+1; every key carries the job's secret token in its prefix.
 """
 
 from __future__ import annotations
@@ -20,17 +25,21 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+# Process identity travels in the environment; everything else is in the config file it names.
+ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
+
 
 @dataclass(frozen=True)
 class Plan:
-    """Who is which rank in one generation, and who holds whose replica."""
+    """Who is which rank in one generation, who holds whose replica, and where takers get their state."""
 
     generation: int
     ranks: tuple[str, ...]                 # rank -> process name
-    holders: tuple[tuple[str, ...], ...]   # rank -> processes holding its replica
+    holders: tuple[tuple[str, ...], ...]   # rank -> processes holding its replica (for this generation's snapshots)
     spares: tuple[str, ...]                # idle spares, in pool order
     reason: str = "job start"
     replicate: bool = True                 # False when snapshots are off: spares then hold nothing
+    sources: tuple[str | None, ...] = ()   # rank -> process that streams its replica to the new owner, or None
 
     @property
     def world_size(self) -> int:
@@ -43,6 +52,13 @@ class Plan:
         """The ranks whose snapshots `proc` must hold in this generation."""
         return [rank for rank, holders in enumerate(self.holders) if proc in holders]
 
+    def source_of(self, rank: int) -> str | None:
+        return self.sources[rank] if rank < len(self.sources) else None
+
+    def sends_from(self, proc: str) -> list[int]:
+        """The ranks whose replicas `proc` must stream to their new owners while this generation recovers."""
+        return [rank for rank, source in enumerate(self.sources) if source == proc]
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -51,7 +67,7 @@ class Plan:
         raw = json.loads(text)
         return cls(generation=raw["generation"], ranks=tuple(raw["ranks"]),
                    holders=tuple(tuple(h) for h in raw["holders"]), spares=tuple(raw["spares"]),
-                   reason=raw["reason"], replicate=raw["replicate"])
+                   reason=raw["reason"], replicate=raw["replicate"], sources=tuple(raw.get("sources", ())))
 
 
 class Keys:
@@ -73,8 +89,23 @@ class Keys:
     def abort(self, gen: int) -> str:
         return self._k(f"abort/{gen}")
 
+    def running(self, gen: int) -> str:
+        """Set when generation `gen` finished recovering: its replica placement is now the live one."""
+        return self._k(f"running/{gen}")
+
     def shutdown(self) -> str:
         return self._k("shutdown")
+
+    # per process, across generations
+    def started(self, proc: str) -> str:
+        """Set by deadpool.init(): a process that exits without it failed before DeadPool ran."""
+        return self._k(f"started/{proc}")
+
+    def heartbeat(self, proc: str) -> str:
+        return self._k(f"hb/{proc}")
+
+    def script_error(self, proc: str) -> str:
+        return self._k(f"error/{proc}")
 
     # data planes get their own prefixes, one per generation, so stale peers never meet new ones
     def group_prefix(self, gen: int) -> str:
@@ -83,15 +114,15 @@ class Keys:
     def pair_prefix(self, gen: int, rank: int, holder: str) -> str:
         return self._k(f"g{gen}/rep/{rank}/{holder}/")
 
-    # commit tracking
-    def durable(self, gen: int, step: int) -> str:
-        return self._k(f"g{gen}/durable/{step}")
+    def transfer_prefix(self, gen: int, rank: int) -> str:
+        return self._k(f"g{gen}/xfer/{rank}/")
 
-    def commit_marker(self, gen: int, step: int) -> str:
-        return self._k(f"g{gen}/commit/{step}")
+    # commit tracking: ranks report, the coordinator alone commits
+    def durable(self, gen: int, rank: int) -> str:
+        return self._k(f"g{gen}/durable/{rank}")
 
-    def committed(self) -> str:
-        return self._k("committed")
+    def committed(self, gen: int) -> str:
+        return self._k(f"g{gen}/committed")
 
     # recovery
     def ready(self, gen: int, rank: int) -> str:

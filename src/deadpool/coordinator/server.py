@@ -1,11 +1,15 @@
-"""The coordinator's one loop: gather exits and reports, call the policies, apply and log their decisions.
+"""The coordinator's one loop: gather exits, heartbeats and reports, call the policies, apply and log them.
 
-    STEADY --a rank's process exits--> decide (policy.plan_after_failure) --publish plan g+1-->
-    AWAIT_READY --all ranks report intact steps--> choose target (policy.choose_restore_step) -->
-    AWAIT_RESUMED --all ranks agreed and rejoined--> STEADY
+    STEADY --a process fails, or is fenced as hung--> SETTLING (gather the failures that arrive together)
+    SETTLING --window over: policy.plan_after_failures, publish plan g+1, abort g--> AWAIT_READY
+    AWAIT_READY --every rank reported its intact steps: policy.choose_restore_step--> AWAIT_RESUMED
+    AWAIT_RESUMED --every rank agreed and rejoined--> STEADY
+    any recovery phase --another failure--> SETTLING (the new set is planned from the last steady plan)
 
-A failure while recovering starts the next generation at once; a deadline missed, or a decision
-with no answer, ends the job with the earliest failure as its root cause.
+In STEADY the loop also commits snapshots (policy.commit_step) and looks for hangs (policy.hang_verdict).
+A script error ends the job at once without a swap; a deadline missed, or a decision with no answer,
+ends it with the earliest failure as its root cause. This module never imports torch: the store it is
+given is any object with the TCPStore methods it calls.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.policy import choose_restore_step, describe_exit, initial_plan, plan_after_failure
+from deadpool.coordinator.policy import (FAILURE, FINISHED, SCRIPT_ERROR, Durable, Pulse, abandoned_steps,
+                                         choose_restore_step, classify_exit, commit_step, hang_timeout, hang_verdict,
+                                         initial_plan, plan_after_failures)
 from deadpool.coordinator.protocol import Keys, Plan
 from deadpool.events import EventLog
 from deadpool.launcher.agent import Agent, Child
@@ -25,36 +32,59 @@ from deadpool.launcher.agent import Agent, Child
 
 class Phase(enum.Enum):
     STEADY = "steady"
+    SETTLING = "settling"
     AWAIT_READY = "await_ready"
     AWAIT_RESUMED = "await_resumed"
 
 
 @dataclass
 class _Swap:
-    """The recovery in flight, for its event and its printed line."""
+    """The recovery in flight, from its first failure to the generation that completes it."""
 
-    cause: str
     detected_t: float
-    replaced: dict[int, str] = field(default_factory=dict)  # rank -> spare
+    cause: str
+    failed: list[dict[str, Any]] = field(default_factory=list)  # one entry per lost process
+    hang: dict[str, Any] | None = None                         # the verdict, when a hang started it
+
+
+@dataclass
+class _Liveness:
+    """The coordinator's view of one rank's heartbeat, on its own clock."""
+
+    raw: str = ""
+    beat: int = -1
+    beat_t: float = 0.0
+    progress: tuple[int, str] = (-1, "")
+    progress_t: float = 0.0
+    pulse: dict[str, Any] = field(default_factory=dict)
 
 
 class Coordinator:
-    def __init__(self, config: JobConfig, store: object, events: EventLog, agent: Agent) -> None:
+    def __init__(self, config: JobConfig, store: Any, events: EventLog, agent: Agent) -> None:
         self.config = config
         self.store = store
         self.keys = Keys(config.token)
         self.events = events
         self.agent = agent
         spares = tuple(f"s{i}" for i in range(config.spares))
-        self.plan = initial_plan(config.workers, spares, replicate=config.snapshot_every != 0)
+        self.steady = initial_plan(config.workers, spares, replicate=config.snapshot_every != 0)
+        self.plan = self.steady           # the newest published plan (== steady unless recovering)
         self.phase = Phase.STEADY
         self.deadline = float("inf")
+        self.lost: set[str] = set()       # processes lost since the steady plan
+        self.fenced: set[str] = set()
         self.finished: set[str] = set()
+        self.committed: int | None = None
+        self.abandoned: list[int] = []
         self.swap: _Swap | None = None
         self.root_cause: str | None = None
+        self.live: dict[str, _Liveness] = {}
+        self.timeout = hang_timeout(config.hang_timeout_s, [])
 
     def run(self) -> int:
         """Starts the job and returns its exit code."""
+        for name in (*self.plan.ranks, *self.plan.spares):
+            self.store.set(self.keys.heartbeat(name), "")
         self._publish(self.plan)
         for rank, name in enumerate(self.plan.ranks):
             child = self.agent.spawn(name, "worker")
@@ -75,37 +105,42 @@ class Coordinator:
     # ---- inputs -----------------------------------------------------------------------------
 
     def _on_exit(self, child: Child) -> int | None:
-        code = child.returncode
-        rank = self.plan.rank_of(child.name)
-        if rank is not None and code == 0:
-            self.finished.add(child.name)
-            return self._end() if self.finished >= set(self.plan.ranks) else None
-        if rank is None and child.name not in self.plan.spares:
-            return None  # already replaced: its exit changes nothing
-        how = describe_exit(code)
-        who = f"rank {rank} ({child.name}, pid {child.pid})" if rank is not None else f"spare {child.name} (pid {child.pid})"
-        self.events.emit("failure_detected", proc=child.name, failed_rank=rank, exit=how, returncode=code)
-        self._say(f"{who} {how}")
-        self.root_cause = self.root_cause or f"{who} {how}"
-        if self.swap is None:
-            self.swap = _Swap(cause=f"{who} {how}", detected_t=time.monotonic())
-        decision = plan_after_failure(self.plan, child.name, self.agent.alive())
-        if not decision.ok:
-            return self._fail(f"{who} {how}; {decision.reason}. Last committed step: {self._committed()}. "
-                              "Add spares (--spares) to survive more failures.")
-        if rank is not None:
-            self.swap.replaced[rank] = decision.value.ranks[rank]
-        if decision.value.generation == self.plan.generation:  # a spare that held nothing: no one rolls back
-            self.plan, self.swap, self.root_cause = decision.value, None, None
-            self.events.emit("pool_shrunk", spares=list(self.plan.spares), reason=decision.reason)
+        code, name = child.returncode, child.name
+        assert code is not None
+        error_key = self.keys.script_error(name)
+        script_error = json.loads(self.store.get(error_key)) if self.store.check([error_key]) else None
+        verdict = classify_exit(code, fenced=name in self.fenced, started=self.store.check([self.keys.started(name)]),
+                                script_error=script_error and script_error["error"])
+        rank = self.plan.rank_of(name)
+        if verdict.value == FINISHED:
+            if rank is not None:
+                self.finished.add(name)
+                return self._end() if self.finished >= set(self.plan.ranks) else None
             return None
-        self._publish(decision.value)
+        if verdict.value == SCRIPT_ERROR:
+            return self._script_error(child, verdict.reason, script_error)
+        if name in self.lost or (rank is None and name not in self.plan.spares and name not in self.steady.spares):
+            return None  # already replaced: its exit changes nothing
+        who = f"rank {rank} ({name}, pid {child.pid})" if rank is not None else f"spare {name} (pid {child.pid})"
+        self.events.emit("failure_detected", proc=name, failed_rank=rank, exit=verdict.reason, returncode=code,
+                         during=self.phase.value)
+        self._say(f"{who} {verdict.reason}")
+        self.root_cause = self.root_cause or f"{who} {verdict.reason}"
+        if self.swap is None:
+            self.swap = _Swap(detected_t=time.monotonic(), cause=f"{who} {verdict.reason}")
+        self.swap.failed.append({"proc": name, "rank": rank, "exit": verdict.reason, "who": who})
+        self.lost.add(name)
+        if self.phase is not Phase.SETTLING:
+            self.phase, self.deadline = Phase.SETTLING, time.monotonic() + self.config.settle_s
         return None
 
     def _tick(self) -> int | None:
-        """Advances a recovery when every rank has reported, or fails it at its deadline."""
         if self.phase is Phase.STEADY:
+            self._commit()
+            self._look_for_hangs()
             return None
+        if self.phase is Phase.SETTLING:
+            return self._decide() if time.monotonic() >= self.deadline else None
         gen, world = self.plan.generation, range(self.plan.world_size)
         key = self.keys.ready if self.phase is Phase.AWAIT_READY else self.keys.resumed
         missing = [r for r in world if not self.store.check([key(gen, r)])]
@@ -116,49 +151,142 @@ class Coordinator:
                                   f"of generation {gen}")
             return None
         if self.phase is Phase.AWAIT_READY:
-            holdings = {r: json.loads(self.store.get(self.keys.ready(gen, r))) for r in world}
-            decision = choose_restore_step(self._committed(), holdings)
-            self.events.emit("restore_decided", target=decision.value, reason=decision.reason, holdings=holdings)
-            if not decision.ok:
-                return self._fail(f"cannot recover from memory: {decision.reason}")
-            self.store.set(self.keys.committed(), json.dumps({"step": decision.value, "gen": gen}))
-            self.store.set(self.keys.target(gen), str(decision.value))
-            self.phase, self.deadline = Phase.AWAIT_RESUMED, time.monotonic() + self.config.recovery_timeout_s
+            return self._choose_target()
+        self._complete()
+        return None
+
+    # ---- steady state -----------------------------------------------------------------------
+
+    def _commit(self) -> None:
+        """Commits the newest step every rank holds durably; the one writer of g{gen}/committed."""
+        gen = self.plan.generation
+        raw = self.store.multi_get([self.keys.durable(gen, r) for r in range(self.plan.world_size)])
+        reports = {r: Durable(**json.loads(v)) for r, v in enumerate(raw)}
+        decision = commit_step(self.committed, reports)
+        committed = decision.value if decision.ok else self.committed
+        abandoned = abandoned_steps(committed, reports)
+        if committed == self.committed and abandoned == self.abandoned:
+            return
+        self.committed, self.abandoned = committed, abandoned
+        self._write_committed(gen)
+        if decision.ok:
+            self.events.emit("commit", step=committed, reason=decision.reason)
+
+    def _write_committed(self, gen: int) -> None:
+        self.store.set(self.keys.committed(gen), json.dumps({"step": self.committed, "abandoned": self.abandoned}))
+
+    def _look_for_hangs(self) -> None:
+        """Reads every rank's heartbeat; fences the ranks the policy calls hung (their exit follows)."""
+        now, gen = time.monotonic(), self.plan.generation
+        procs = [p for p in self.plan.ranks if p not in self.fenced]
+        pulses: dict[int, Pulse] = {}
+        for proc, raw in zip(procs, self.store.multi_get([self.keys.heartbeat(p) for p in procs])):
+            seen = self.live.setdefault(proc, _Liveness(beat_t=now, progress_t=now))
+            text = raw.decode() if isinstance(raw, bytes) else raw
+            if text and text != seen.raw:
+                pulse = json.loads(text)
+                seen.raw, seen.pulse = text, pulse
+                if pulse["gen"] == gen:
+                    seen.beat, seen.beat_t = pulse["beat"], now
+                    if (pulse["step"], pulse["phase"]) != seen.progress:
+                        seen.progress, seen.progress_t = (pulse["step"], pulse["phase"]), now
+            if seen.pulse.get("gen") == gen:
+                pulses[self.plan.ranks.index(proc)] = Pulse(seen.beat_t, seen.progress_t, seen.pulse["step"],
+                                                            seen.pulse["phase"], seen.pulse["waiting"])
+        if len(pulses) < len(procs):
+            return  # detection starts once every rank of this generation has a heartbeat
+        timeout = hang_timeout(self.config.hang_timeout_s,
+                               [s.pulse["step_s"] for s in self.live.values() if s.pulse.get("step_s")])
+        if round(timeout.value or 0, 1) != round(self.timeout.value or 0, 1):
+            self.timeout = timeout
+            self.events.emit("hang_timeout", timeout_s=timeout.value, reason=timeout.reason)
+        verdict = hang_verdict(now, pulses, timeout.value or float("inf"))
+        if not verdict.ok:
+            return
+        for rank in sorted(verdict.value or ()):
+            proc, pulse = self.plan.ranks[rank], pulses[rank]
+            last = min(pulse.beat_t, pulse.progress_t)
+            self.events.emit("hang_detected", proc=proc, hung_rank=rank, step=pulse.step, phase=pulse.phase,
+                             last_progress_t=last, silent_s=now - last, timeout_s=timeout.value,
+                             reason=verdict.reason)
+            self._say(f"rank {rank} ({proc}) is hung: {verdict.reason}; fencing it (SIGKILL)")
+            self.fenced.add(proc)
+            if self.swap is None:
+                self.swap = _Swap(detected_t=now, cause=f"rank {rank} ({proc}) hung: {verdict.reason}",
+                                  hang={"rank": rank, "proc": proc, "last_progress_t": last, "verdict_t": now})
+            self.root_cause = self.root_cause or self.swap.cause
+            self.agent.fence(proc)
+
+    # ---- recovery ---------------------------------------------------------------------------
+
+    def _decide(self) -> int | None:
+        decision = plan_after_failures(self.steady, self.plan.generation, frozenset(self.lost))
+        if not decision.ok or decision.value is None:
+            lost = "; ".join(f"{f['who']} {f['exit']}" for f in self.swap.failed) if self.swap else ""
+            return self._fail(f"{lost}: {decision.reason}. Last committed step: {self.committed}. "
+                              "Add spares (--spares) to survive more failures.")
+        plan = decision.value
+        if plan.generation == self.plan.generation:  # a lost spare that held nothing: nobody rolls back
+            self.steady = self.plan = plan
+            self.swap, self.root_cause, self.lost = None, None, set()
+            self.phase, self.deadline = Phase.STEADY, float("inf")
+            self.events.emit("pool_shrunk", spares=list(plan.spares), reason=decision.reason)
             return None
+        self._publish(plan)
+        self.phase, self.deadline = Phase.AWAIT_READY, time.monotonic() + self.config.recovery_timeout_s
+        return None
+
+    def _choose_target(self) -> int | None:
+        gen, world = self.plan.generation, range(self.plan.world_size)
+        holdings = {r: json.loads(self.store.get(self.keys.ready(gen, r))) for r in world}
+        decision = choose_restore_step(self.committed, holdings)
+        self.events.emit("restore_decided", target=decision.value, reason=decision.reason, holdings=holdings)
+        if not decision.ok:
+            return self._fail(f"cannot recover from memory: {decision.reason}")
+        self.committed, self.abandoned = decision.value, []
+        self._write_committed(gen)
+        self.store.set(self.keys.target(gen), str(decision.value))
+        self.phase, self.deadline = Phase.AWAIT_RESUMED, time.monotonic() + self.config.recovery_timeout_s
+        return None
+
+    def _complete(self) -> None:
         swap, self.swap = self.swap, None
-        target = int(self.store.get(self.keys.target(gen)))
+        assert swap is not None
+        gen, target = self.plan.generation, self.committed
+        replaced = {r: p for r, p in enumerate(self.plan.ranks) if p != self.steady.ranks[r]}
         took = time.monotonic() - swap.detected_t
-        self.events.emit("swap_complete", restored_step=target, replaced=swap.replaced, cause=swap.cause,
-                         detect_to_resume_s=took)
+        self.events.emit("swap_complete", restored_step=target, replaced=replaced, cause=swap.cause,
+                         failed=swap.failed, hang=swap.hang, detected_t=swap.detected_t, detect_to_resume_s=took)
         self._say(f"generation {gen} running: restored step {target}; "
-                  + ", ".join(f"{s} is now rank {r}" for r, s in swap.replaced.items())
+                  + ", ".join(f"{s} is now rank {r}" for r, s in replaced.items())
                   + f" ({took:.2f} s after detection)")
+        self.steady, self.lost, self.live = self.plan, set(), {}
+        self.store.set(self.keys.running(gen), "1")
         self.phase, self.deadline = Phase.STEADY, float("inf")
         self.root_cause = None  # recovered: a later failure is its own root cause
-        return None
 
     # ---- effects ----------------------------------------------------------------------------
 
     def _publish(self, plan: Plan) -> None:
-        """Plan first, then the generation number, then the abort of the old one: whoever sees the
-        abort can always read the plan that replaces it."""
+        """Reports and commit keys first, then the plan, the generation number, and the abort of the old
+        one: whoever sees the abort can always read the plan that replaces it."""
+        gen = plan.generation
+        for rank in range(plan.world_size):
+            self.store.set(self.keys.durable(gen, rank), json.dumps({"steps": [], "skipped": []}))
+        if gen == 0:
+            self._write_committed(gen)
         self.plan = plan
-        self.store.set(self.keys.plan(plan.generation), plan.to_json())
-        self.store.set(self.keys.generation(), str(plan.generation))
-        self.events.generation = plan.generation
-        if plan.generation > 0:
-            self.store.set(self.keys.abort(plan.generation - 1), plan.reason)
-            self.phase, self.deadline = Phase.AWAIT_READY, time.monotonic() + self.config.recovery_timeout_s
-            self._say(f"generation {plan.generation}: {plan.reason}")
+        self.store.set(self.keys.plan(gen), plan.to_json())
+        self.store.set(self.keys.generation(), str(gen))
+        self.events.generation = gen
+        if gen > 0:
+            self.store.set(self.keys.abort(gen - 1), plan.reason)
+            self._say(f"generation {gen}: {plan.reason}")
         for rank, name in enumerate(plan.ranks):
             if name in self.agent.children and name.startswith("s"):
                 self.agent.children[name].label = f"{name}=r{rank}"
         self.events.emit("plan_published", ranks=list(plan.ranks), holders=[list(h) for h in plan.holders],
-                         spares=list(plan.spares), reason=plan.reason)
-
-    def _committed(self) -> int:
-        key = self.keys.committed()
-        return json.loads(self.store.get(key))["step"] if self.store.check([key]) else -1
+                         spares=list(plan.spares), sources=list(plan.sources), reason=plan.reason)
 
     def _end(self) -> int:
         self.store.set(self.keys.shutdown(), "done")
@@ -166,17 +294,29 @@ class Coordinator:
         self.events.emit("job_finished", generation=self.plan.generation)
         return 0
 
+    def _script_error(self, child: Child, reason: str, report: dict[str, Any] | None) -> int:
+        """A bug in the script: replaying it on a spare would raise it again, so the job stops here."""
+        where = (f"rank {report['rank']} ({child.name}) at step {report['step']}" if report and report["rank"] is not None
+                 else f"{child.name}")
+        message = (f"error in the training script on {where}: {reason.removeprefix('the training script ')}. "
+                   "This is a bug in the script, not a node failure, so no spare was used; the traceback is "
+                   f"above (and in logs/{child.name}.log). Fix the script and run again.")
+        self.events.emit("script_error", proc=child.name, rank=report and report["rank"],
+                         step=report and report["step"], error=reason)
+        self.root_cause = None
+        return self._fail(message)
+
     def _fail(self, message: str) -> int:
         cause = self.root_cause or message
         self.events.emit("job_failed", reason=message, root_cause=cause)
-        self.store.set(self.keys.shutdown(), "failed")
-        for name in self.agent.alive():
+        for name in self.agent.alive():  # first, so that no process sees the shutdown and adds its own error
             self.agent.fence(name)
+        self.store.set(self.keys.shutdown(), "failed")
         self.agent.stop_all(grace_s=5.0)
         self._say(f"job failed: {message}", stream=sys.stderr)
         if cause != message:
             self._say(f"root cause: {cause}", stream=sys.stderr)
         return 1
 
-    def _say(self, text: str, stream=sys.stdout) -> None:
+    def _say(self, text: str, stream: TextIO = sys.stdout) -> None:
         print(f"[coordinator] {text}", file=stream, flush=True)

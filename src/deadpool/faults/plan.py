@@ -10,6 +10,10 @@ from deadpool.coordinator.protocol import Keys
 from deadpool.events import EventLog
 
 
+class InjectedError(Exception):
+    """Raised by an `error` fault: stands for a bug in the training script."""
+
+
 class FaultInjector:
     """Checks the fault plan at each hook point; the store makes each fault fire once even if the
     rank it targets is replayed by a spare."""
@@ -29,14 +33,19 @@ class FaultInjector:
                 return fault
         return None
 
-    def kill_point(self, phase: str, step: int) -> None:
-        """SIGKILLs this process if the plan says so: a real, uncatchable death at this exact point."""
+    def point(self, phase: str, step: int) -> None:
+        """Fires the plan's fault for this rank at this exact point, if there is one: `kill` is a real,
+        uncatchable SIGKILL; `hang` a real SIGSTOP (the process stays, silent, holding its sockets);
+        `error` an exception raised into the training script, as a bug in it would."""
         if not self.faults or self.rank is None:
             return
-        fault = self._claim("kill", self.rank, step, phase)
-        if fault is not None:
-            self.events.emit("fault_injected", kind="kill", target_rank=self.rank, step=step, phase=phase)
-            os.kill(os.getpid(), signal.SIGKILL)
+        for kind in ("kill", "hang", "error"):
+            if self._claim(kind, self.rank, step, phase) is None:
+                continue
+            self.events.emit("fault_injected", kind=kind, target_rank=self.rank, step=step, phase=phase)
+            if kind == "error":
+                raise InjectedError(f"injected error on rank {self.rank} in {phase} of step {step}")
+            os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
     def should_corrupt(self, rank: int, step: int) -> bool:
         """True once for the planned (rank, step): the holder then flips a byte of that replica."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from deadpool.config import JobConfig
-from deadpool.runtime.context import ENV_CONFIG, ENV_PROC, ENV_ROLE
+from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE
 
 _print_lock = threading.Lock()
 

@@ -1,67 +1,21 @@
-"""`deadpool run | demo | bench overhead`: arguments in, one frozen JobConfig out, exit code back."""
+"""`deadpool run | demo | bench | simulate`: the parser, and which command runs; exit code back."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from deadpool.config import FAULT_PHASES, Fault, JobConfig
 from deadpool.errors import ConfigError
+from deadpool.launcher.options import add_job_options, default_out, job_config
 from deadpool.sim import cli as sim_cli
 
 
-def parse_fault(text: str) -> Fault:
-    """KIND:RANK:STEP[:PHASE], e.g. kill:2:15:backward or corrupt_replica:1:10."""
-    parts = text.split(":")
-    if len(parts) not in (3, 4) or not parts[1].isdigit() or not parts[2].isdigit():
-        raise argparse.ArgumentTypeError(f"--fault {text!r}: expected KIND:RANK:STEP[:PHASE], e.g. kill:2:15:backward "
-                                         f"(phases: {', '.join(FAULT_PHASES)})")
-    try:
-        return Fault(kind=parts[0], rank=int(parts[1]), step=int(parts[2]), **({"phase": parts[3]} if len(parts) == 4 else {}))
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def snapshot_every(text: str) -> int | str:
-    if text == "auto":
-        return text
-    if text.isdigit():
-        return int(text)
-    raise argparse.ArgumentTypeError(f"--snapshot-every must be a number of steps (0 = off) or 'auto', got {text!r}")
-
-
-def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 1) -> None:
-    p.add_argument("--workers", "--nproc-per-node", type=int, default=workers, help="ranks (worker processes)")
-    p.add_argument("--spares", type=int, default=spares, help="standby processes that can take over a rank")
-    p.add_argument("--snapshot-every", type=snapshot_every, default=1, help="K steps, 0 = off, or auto")
-    p.add_argument("--snapshot-budget", type=float, default=0.01, help="auto: snapshot cost / step time")
-    p.add_argument("--backlog-policy", choices=("wait", "skip"), default="wait",
-                   help="when replication falls behind: wait for it, or skip the snapshot")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address the coordinator's store listens on")
-    p.add_argument("--master-port", type=int, default=0, help="port of the coordinator's store (0 = any free)")
-    p.add_argument("--decision-timeout", type=float, default=10.0, help="s a survivor waits for a new plan")
-    p.add_argument("--recovery-timeout", type=float, default=30.0, help="s the coordinator waits for a recovery step")
-    p.add_argument("--collective-timeout", type=float, default=60.0, help="s before a collective gives up")
-    p.add_argument("--fault", type=parse_fault, action="append", default=[], metavar="KIND:RANK:STEP[:PHASE]",
-                   help="inject a real fault (repeatable): kill or corrupt_replica")
-
-
-def job_config(args: argparse.Namespace, script: str, script_args: list[str], run_dir: Path,
-               faults: list[Fault] | None = None, **overrides: object) -> JobConfig:
-    fields = dict(script=script, script_args=tuple(script_args), workers=args.workers, spares=args.spares,
-                  run_dir=str(run_dir), store_host=args.master_addr, store_port=args.master_port,
-                  backend=args.backend, snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
-                  backlog_policy=args.backlog_policy, decision_timeout_s=args.decision_timeout,
-                  recovery_timeout_s=args.recovery_timeout, collective_timeout_s=args.collective_timeout,
-                  faults=tuple(args.fault if faults is None else faults))
-    return JobConfig(**{**fields, **overrides})
-
-
-def default_out(kind: str) -> Path:
-    return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+def ranks_list(text: str) -> list[int]:
+    parts = text.split(",")
+    if not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected a rank or ranks separated by commas (e.g. 0,2), got {text!r}")
+    return list(dict.fromkeys(int(p) for p in parts))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,8 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train the example GPT, kill a worker mid-step, compare with a clean run")
     add_job_options(demo)
     demo.add_argument("--steps", type=int, default=40)
-    demo.add_argument("--fail-at", type=int, default=20, help="step in whose backward pass a worker is SIGKILLed")
-    demo.add_argument("--fail-rank", type=int, default=None, help="worker to kill (default: a random one)")
+    demo.add_argument("--fail", choices=("kill", "hang"), default="kill",
+                      help="kill: SIGKILL; hang: SIGSTOP (the hang detector must find and fence it)")
+    demo.add_argument("--fail-at", type=int, default=20, help="step in whose backward pass the fault strikes")
+    demo.add_argument("--fail-rank", type=ranks_list, default=None,
+                      help="worker(s) to fail at the same point, e.g. 2 or 0,2 (default: a random one)")
     demo.add_argument("--out", type=Path, default=None)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -101,13 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     recovery.add_argument("--workers", type=int, default=4)
     recovery.add_argument("--steps", type=int, default=30)
     recovery.add_argument("--kill-rank", type=int, default=1)
-    recovery.add_argument("--kill-step", type=int, default=25, help="step in whose backward pass the rank dies")
+    recovery.add_argument("--kill-step", type=int, default=25, help="step in whose backward pass the rank is SIGKILLed or SIGSTOPped")
     recovery.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: DCP checkpoint interval")
     recovery.add_argument("--reps", type=int, default=3)
     recovery.add_argument("--no-scaling", action="store_true", help="skip recovery vs world size and state size")
     recovery.add_argument("--no-torchft", action="store_true", help="skip torchft (skipped anyway if not installed)")
     recovery.add_argument("--torchft-timeout", type=float, default=5.0,
                           help="torchft's heartbeat and gloo timeouts in s (its defaults: 5); lower recovers sooner")
+    recovery.add_argument("--faults", default="kill,hang",
+                          help="comma-separated faults to inject: kill (SIGKILL), hang (SIGSTOP); default both")
+    recovery.add_argument("--hang-wait", type=float, default=120.0,
+                          help="s a system gets from the fault to its next step; past it the run counts as not "
+                               "recovered and all its processes are killed")
     recovery.add_argument("--out", type=Path, default=None)
     sim_cli.add_parser(sub)
     return parser

@@ -8,8 +8,10 @@ import logging
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -32,19 +34,51 @@ class CollectiveAborted(RuntimeError):
     """A collective was abandoned because the coordinator aborted its generation."""
 
 
+# Words in the messages of errors that torch's communication layer raises as plain RuntimeError (gloo
+# raises "Connection closed by peer", "Connection reset", "Timed out waiting ..." as RuntimeError).
+_COMM_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
+               "processgroup", "process group", "socket")
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """True for errors of the communication layer (a failure of some rank), False for everything else
+    (a bug in the script). Decides whether a spare can help, so it errs towards the script: an error it
+    cannot place is a script error unless the coordinator aborts the generation soon after (session.py)."""
+    if isinstance(error, (dist.DistError, CollectiveAborted)):
+        return True
+    return isinstance(error, RuntimeError) and any(word in str(error).lower() for word in _COMM_WORDS)
+
+
 def finish(work: dist.Work, interrupted: Callable[[], bool]) -> None:
     """Waits for a collective, but gives it up as soon as `interrupted()` says the generation is over.
 
     A peer that died is noticed by gloo at once only by the ranks connected to it in the current
     algorithm step; the others would wait for the full collective timeout. The coordinator's abort
-    releases them within a poll interval. The abandoned operation is never touched again.
+    releases them within a poll interval. The abandoned operation is never touched again. NCCL
+    completes a work's future when the kernel is enqueued, not when it ends, so there the work
+    itself is polled (and the watch aborts the communicator, which ends the kernel).
     """
+    if dist.get_backend() == "nccl":
+        while not work.is_completed():
+            if interrupted():
+                raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
+            time.sleep(0.0005)
+        work.wait()
+        return
     done = threading.Event()
     work.get_future().add_done_callback(lambda _: done.set())
     while not done.wait(0.02):
         if interrupted():
             raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
     work.wait()
+
+
+def abort_communicator() -> None:
+    """Called from the watch thread when the generation is aborted: on NCCL, aborting the communicator
+    releases a training thread blocked in a kernel or a host sync. gloo cannot abort (its abort is a no-op);
+    there `finish` releases the waiting thread instead."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.group.WORLD.abort()  # type: ignore[union-attr]
 
 
 def guard_exit() -> None:
@@ -116,7 +150,8 @@ class DataParallel(torch.nn.Module):
         super().__init__()
         self.module = module
         self.attached = False
-        self.interrupted: Callable[[], bool] = lambda: False  # set by the session
+        self.interrupted: Callable[[], bool] = lambda: False  # this generation's abort check (attach sets it)
+        self.waiting: Callable[[str], ContextManager[None]] = lambda _: nullcontext()
         self._queued = False
         for p in self._params():
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -124,13 +159,16 @@ class DataParallel(torch.nn.Module):
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def attach(self, sync: bool) -> None:
-        """Starts averaging over the current default group; `sync` first copies rank 0's weights and
-        buffers everywhere (job start only: after a recovery every rank restored the same state)."""
-        self.attached = True
+    def attach(self, sync: bool, interrupted: Callable[[], bool],
+               waiting: Callable[[str], ContextManager[None]]) -> None:
+        """Starts averaging over the current default group, given up when `interrupted()`; `waiting`
+        marks the waits on peers. `sync` first copies rank 0's weights and buffers everywhere (job
+        start only: after a recovery every rank restored the same state)."""
+        self.attached, self.interrupted, self.waiting = True, interrupted, waiting
         if sync:
-            for t in (*self.module.parameters(), *self.module.buffers()):
-                finish(dist.broadcast(t.data, src=0, async_op=True), self.interrupted)
+            with waiting("broadcast"):
+                for t in (*self.module.parameters(), *self.module.buffers()):
+                    finish(dist.broadcast(t.data, src=0, async_op=True), self.interrupted)
 
     def detach(self) -> None:
         self.attached = False
@@ -155,7 +193,8 @@ class DataParallel(torch.nn.Module):
         for params in by_dtype.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            finish(dist.all_reduce(flat, async_op=True), self.interrupted)
+            with self.waiting("all_reduce"):
+                finish(dist.all_reduce(flat, async_op=True), self.interrupted)
             flat.div_(dist.get_world_size())
             offset = 0
             for p, g in zip(params, grads):

@@ -12,12 +12,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.protocol import Keys, Plan
+from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE, Keys, Plan
 from deadpool.errors import ConfigError, SwapAborted
 from deadpool.events import EventLog
 from deadpool.faults.plan import FaultInjector
-
-ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
 
 
 def wait_for_key(store: dist.Store, key: str, deadline: float, give_up: tuple[str, ...] = (),
@@ -49,6 +47,8 @@ def connect(config: JobConfig, timeout_s: float | None = None) -> dist.TCPStore:
 
 @dataclass
 class Context:
+    """Fixed for the life of the process; what changes with each generation lives in an Incarnation."""
+
     proc: str
     role: str
     config: JobConfig

@@ -85,6 +85,7 @@ class ReplicaReceiver:
         self.gen = gen
         self.slots = slots
         self.timeout_s = timeout_s
+        self.writing: Slot | None = None  # the slot a receive is filling (unsealed until its checksum passes)
 
     def receive_one(self, committed: Callable[[], int | None], stopped: Callable[[], bool]) -> Slot:
         """Receives the next snapshot into the slot that does not hold the newest committed step."""
@@ -101,14 +102,40 @@ class ReplicaReceiver:
                                 f"generation {gen} (expected {self.gen})")
         meta = torch.empty(meta_len, dtype=torch.uint8)
         _wait(self.group.recv([meta], 0, 1), self.timeout_s)
-        slot = pick_slot(self.slots, committed())
+        slot = self.writing = pick_slot(self.slots, committed())
         _wait(self.group.recv([slot.reserve(nbytes)], 0, 2), self.timeout_s)
         meta_bytes = meta.numpy().tobytes()
         got = checksum(meta_bytes, slot.data)
         ok = int(got == crc)
         if ok:
             slot.seal(step, meta_bytes, crc)
+        self.writing = None
         _wait(self.group.send([torch.tensor([step, got, ok], dtype=torch.int64)], 0, 3), self.timeout_s)
         if not ok:
             raise ProtocolError(f"replica of snapshot {step} failed its checksum ({got:#x} != {crc:#x})")
         return slot
+
+
+def send_replica(store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float) -> int:
+    """Recovery, holder -> taker: streams every intact snapshot of one rank to the process taking it over.
+    Returns how many were sent (a corrupted one is not: the taker then reports only what it got)."""
+    intact = sorted((s for s in slots if s.intact()), key=lambda s: s.step or 0)
+    store.set(f"{prefix}count", str(len(intact)))
+    if intact:
+        sender = ReplicaSender(store, prefix, token, gen, timeout_s)
+        for slot in intact:
+            sender.send(slot)
+    return len(intact)
+
+
+def receive_replica(store: dist.Store, prefix: str, token: str, gen: int, timeout_s: float, deadline: float,
+                    stopped: Callable[[], bool]) -> list[Slot]:
+    """The taker's end of send_replica: two fresh slots holding what the holder sent."""
+    wait_for_key(store, f"{prefix}count", deadline, stopped=stopped)
+    count = int(store.get(f"{prefix}count"))
+    slots = [Slot(), Slot()]
+    if count:
+        receiver = ReplicaReceiver(store, prefix, token, gen, slots, timeout_s)
+        for _ in range(count):
+            receiver.receive_one(lambda: None, stopped)
+    return slots

@@ -62,7 +62,17 @@ def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[boo
                        "numpy": numpy_flags, "nbytes": layout.nbytes}).encode()
 
 
+def free_slot(slots: list[Slot], committed: int | None, abandoned: list[int]) -> Slot | None:
+    """A slot a rank's next snapshot may overwrite, or None: an empty one, one older than the newest
+    committed step, or one holding a step some rank skipped (it can never be committed). A durable
+    step that may still be committed is kept, and so is the newest committed step."""
+    free = [s for s in slots if s.step is None or (committed is not None and s.step < committed)
+            or s.step in abandoned]
+    return min(free, key=lambda s: -1 if s.step is None else s.step) if free else None
+
+
 def pick_slot(slots: list[Slot], committed: int | None) -> Slot:
-    """The slot a new snapshot may overwrite: never the one holding the newest committed step."""
+    """The slot a holder receives a replica into: never the one holding the newest committed step (the
+    sender only sends a snapshot once its own rule let it write it, so the other slot is no longer needed)."""
     free = [s for s in slots if s.step is None or s.step != committed]
     return min(free, key=lambda s: -1 if s.step is None else s.step)

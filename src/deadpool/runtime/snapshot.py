@@ -1,34 +1,37 @@
-"""The snapshot engine: background copy of a rank's state into two host slots, replication, and commit.
+"""The snapshot engine: background copy of a rank's state into two host slots, replication, durable reports.
 
-Per snapshot k (training thread | engine thread):
+Per snapshot k (training thread | this generation's engine thread):
 
     optimizer step k
     capture(k): take the state apart;   |
-      copy small mutable parts now      |  wait until snapshot k-1 is committed (slot reuse rule)
-    forward / backward of step k+1      |  copy stable tensors into the free slot (side stream on GPU)
+      copy small mutable parts now      |  wait for a free slot (never the newest committed step)
+    forward / backward of step k+1      |  copy stable tensors into it (side stream on GPU)
     wait_copied()  <------------------- |  copied
     optimizer step k+1                  |  checksum, send to holders, await their acks
-                                        |  durable: add to the step's counter; the last rank commits k
+                                        |  durable: report g{g}/durable/{rank}; the coordinator commits
+
+The slots outlive generations (they hold what a recovery restores); each generation's thread, events and
+replica streams are its own (`_Run`), so a thread that a stop gave up on can only touch its own.
 """
 
 from __future__ import annotations
 
 import json
 import queue
-from contextlib import nullcontext
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from deadpool.coordinator.protocol import Plan
 from deadpool.errors import ProtocolError, SwapAborted
-from deadpool.runtime.context import Context, connect, wait_for_key
+from deadpool.runtime.context import Context, connect
+from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.replica import ReplicaSender
-from deadpool.runtime.slots import Slot, checksum, make_meta, pick_slot
+from deadpool.runtime.slots import Slot, checksum, free_slot, make_meta
 from deadpool.runtime.state import Flat, Layout, Stateful, flatten
+from deadpool.runtime.watch import Watch
 
 
 class GenerationAborted(Exception):
@@ -43,42 +46,36 @@ class _Job:
     ready: torch.cuda.Event | None  # on GPU: marks the training stream's position at capture
 
 
-class SnapshotEngine:
-    """Owns a rank's two local slots and the thread that fills, replicates and commits them."""
+def read_committed(store: object, key: str) -> tuple[int | None, list[int]]:
+    """The coordinator's commit record of one generation: (newest committed step, abandoned steps)."""
+    record = json.loads(store.get(key))  # type: ignore[attr-defined]
+    return record["step"], record["abandoned"]
 
-    def __init__(self, ctx: Context, device: torch.device, aborted: Callable[[], bool],
-                 slots: list[Slot] | None = None) -> None:
+
+class SnapshotEngine:
+    """Owns a rank's two local slots; `start` runs one generation's engine thread over them."""
+
+    def __init__(self, ctx: Context, device: torch.device, slots: list[Slot] | None = None) -> None:
         self.ctx = ctx
-        self.aborted = aborted
         self.device = device
         self.cuda = device.type == "cuda"
         self.slots = slots or [Slot(pinned=self.cuda), Slot(pinned=self.cuda)]
-        self.committed: int | None = None
         self.wait_s = 0.0            # total time the training thread waited for copies
         self.costs: list[float] = []  # engine busy seconds per snapshot (copy + checksum + replicate)
-        self._copied = threading.Event()
-        self._copied.set()
-        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()  # the running thread's; replaced at every start
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self.lock = threading.Lock()  # taken to reserve a slot, and to take slots away from a stopped run
+        self._run: _Run | None = None
         self._stream = torch.cuda.Stream(device) if self.cuda else None
 
     # ---- training thread -------------------------------------------------------------------
 
-    def start(self, gen: int, plan: Plan, rank: int, committed: int | None) -> None:
-        """Begins a generation: snapshots of this rank go to plan.holders[rank]."""
-        self.gen, self.plan, self.rank, self.committed = gen, plan, rank, committed
-        self._prev = committed
-        self._stop = threading.Event()  # a fresh one: a thread abandoned earlier keeps its own, still set
-        self._error = None
-        self._copied.set()
-        self._thread = threading.Thread(target=self._run, args=(self._stop,), name=f"deadpool-snapshot-g{gen}",
-                                        daemon=True)
-        self._thread.start()
+    def start(self, inc: Incarnation, watch: Watch) -> None:
+        """Begins a generation: snapshots of this rank go to inc.plan.holders[rank]."""
+        assert self._run is None, "stop the previous generation's run first"
+        self._run = _Run(self, inc, watch)
 
     def capture(self, step: int, tree: dict[str, Stateful]) -> None:
         """Hands snapshot `step` to the engine; mutable parts are cloned here, the rest copied later."""
+        assert self._run is not None
         self.wait_copied()
         flat = flatten(tree)
         flat.tensors = [t if stable else t.clone() for t, stable in zip(flat.tensors, flat.stable)]
@@ -86,144 +83,198 @@ class SnapshotEngine:
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self._copied.clear()
-        self._jobs.put(_Job(step, flat, Layout.of(flat.tensors), ready))
+        self._run.copied.clear()
+        self._run.jobs.put(_Job(step, flat, Layout.of(flat.tensors), ready))
 
     def wait_copied(self) -> float:
         """Blocks until the last capture is in its slot: the only wait training ever pays."""
+        run = self._run
+        if run is None:
+            return 0.0
         start = time.monotonic()
         deadline = start + self.ctx.config.collective_timeout_s
-        while not self._copied.wait(0.05):
-            self.raise_if_failed()
+        while not run.copied.wait(0.05):
+            run.raise_if_failed()
             if time.monotonic() > deadline:
                 raise SwapAborted("snapshot copy did not finish before the collective timeout")
-        self.raise_if_failed()
+        run.raise_if_failed()
         waited = time.monotonic() - start
         self.wait_s += waited
         return waited
 
-    def raise_if_failed(self) -> None:
-        """Surfaces a latched engine error at a step boundary, never at a random point."""
-        if self.aborted():
-            raise GenerationAborted(f"generation {self.gen} was aborted by the coordinator")
-        if self._error is not None:
-            raise self._error
+    def wait_committed(self, step: int) -> None:
+        """Blocks until the coordinator has committed `step` (or newer) in this generation."""
+        run = self._run
+        assert run is not None
+        deadline = time.monotonic() + self.ctx.config.recovery_timeout_s
+        while True:
+            committed = read_committed(self.ctx.store, run.inc.committed_key())[0]
+            if committed is not None and committed >= step:
+                return
+            run.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise SwapAborted(f"snapshot {step} was not committed within {self.ctx.config.recovery_timeout_s} s")
+            time.sleep(self.ctx.config.poll_interval_s / 4)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stops the thread (bounded); a slot it was writing stays unsealed and is never restored."""
-        self._stop.set()
+        """Stops this generation's thread (bounded). A thread that does not stop in time is abandoned: the
+        slot it was writing is swapped for a fresh one, so it can never write into a slot in use again."""
+        run, self._run = self._run, None
+        if run is None:
+            return
+        run.stop.set()
         try:
-            self._jobs.put_nowait(None)  # wakes the thread at once if it is waiting for work
+            run.jobs.put_nowait(None)  # wakes the thread at once if it is waiting for work
         except queue.Full:
             pass  # a job is queued, so the thread is busy: it sees the stop before taking the next one
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                self.ctx.events.emit("snapshot_thread_abandoned", timeout_s=timeout_s)
-        self._thread = None
-        while not self._jobs.empty():
-            self._jobs.get_nowait()
-        self._copied.set()
+        run.thread.join(timeout_s)
+        if run.thread.is_alive():
+            with self.lock:
+                if run.writing is not None and run.writing in self.slots:
+                    self.slots[self.slots.index(run.writing)] = Slot(pinned=self.cuda)
+            self.ctx.events.emit("snapshot_thread_abandoned", timeout_s=timeout_s, gen=run.inc.generation)
 
     def intact_steps(self) -> list[int]:
-        return sorted(s.step for s in self.slots if s.intact())
+        return sorted(s.step for s in self.slots if s.intact() and s.step is not None)
 
     def slot_for(self, step: int) -> Slot:
         return next(s for s in self.slots if s.step == step)
 
-    # ---- engine thread ---------------------------------------------------------------------
+    def keep_only(self, step: int) -> None:
+        """After restoring `step`, the other slot holds a step of a failed generation: free it."""
+        for slot in self.slots:
+            if slot.step != step:
+                slot.step = None
 
-    def _run(self, stop: threading.Event) -> None:
+
+class _Run:
+    """One generation's engine thread, with its own queue, events and replica streams."""
+
+    def __init__(self, engine: SnapshotEngine, inc: Incarnation, watch: Watch) -> None:
+        self.engine, self.inc, self.watch = engine, inc, watch
+        self.ctx = engine.ctx
+        self.copied = threading.Event()
+        self.copied.set()
+        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.writing: Slot | None = None
+        self.durable: set[int] = set()
+        self.skipped: list[int] = []
+        self.thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{inc.generation}", daemon=True)
+        self.thread.start()
+
+    def raise_if_failed(self) -> None:
+        """Surfaces a latched engine error at a step boundary, never at a random point."""
+        if self.watch.aborted():
+            raise GenerationAborted(f"generation {self.inc.generation} was aborted by the coordinator")
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
         store = connect(self.ctx.config)  # its own client: blocking waits must not stall training's
         senders: dict[str, ReplicaSender] = {}
         try:
-            for holder in self.plan.holders[self.rank]:  # connect now, not in the first snapshot's path
+            for holder in self.inc.plan.holders[self.inc.my_rank()]:  # connect now, not in the first snapshot's path
                 self._connect(holder, store, senders)
-            while not stop.is_set():
+            while not self.stop.is_set():
                 try:
-                    job = self._jobs.get(timeout=0.05)
+                    job = self.jobs.get(timeout=0.05)
                 except queue.Empty:
                     continue
                 if job is not None:  # None: the wake-up stop() sends
-                    self._snapshot(job, store, senders, stop)
+                    self._snapshot(job, store, senders)
         except InterruptedError:
             pass
         except BaseException as error:  # latched; the training thread raises it at the next step boundary
-            if not stop.is_set():
-                self._error = error
+            if not self.stop.is_set():
+                self.error = error
                 self.ctx.events.emit("snapshot_failed", error=f"{type(error).__name__}: {error}")
         finally:
-            self._copied.set()
+            self.copied.set()
             senders.clear()  # closing the pair groups tells the holders this stream is over
 
-    def _snapshot(self, job: _Job, store: object, senders: dict[str, ReplicaSender], stop: threading.Event) -> None:
+    def _snapshot(self, job: _Job, store: object, senders: dict[str, ReplicaSender]) -> None:
         start = time.monotonic()
-        if self._prev is not None and self._prev != self.committed:
-            if not self._await_commit(self._prev, store, stop, skip=self.ctx.config.backlog_policy == "skip"):
-                self.ctx.events.emit("snapshot_skipped", step=job.step, reason=f"snapshot {self._prev} not committed yet")
-                self._copied.set()
-                return
-        slot = pick_slot(self.slots, self.committed)
-        buffer = slot.reserve(job.layout.nbytes)
+        slot = self._reserve(job, store)
+        if slot is None:
+            self.skipped = (self.skipped + [job.step])[-8:]
+            self._report(store)
+            self.ctx.events.emit("snapshot_skipped", step=job.step, reason="no free slot: the last snapshot is "
+                                 "not committed yet (--backlog-policy skip)")
+            self.copied.set()
+            return
+        buffer = slot.data
         self._copy(job, buffer)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy)
         copied = time.monotonic()
-        self._copied.set()
+        self.copied.set()
         slot.seal(job.step, meta, checksum(meta, slot.data))
-        self._prev = job.step
-        for holder in self.plan.holders[self.rank]:
+        self.writing = None
+        for holder in self.inc.plan.holders[self.inc.my_rank()]:
             self._replicate(slot, holder, store, senders)
-        self._mark_durable(job.step, store)
-        self.costs.append(time.monotonic() - start)
+        self.durable.add(job.step)
+        self._report(store)
+        self.engine.costs.append(time.monotonic() - start)
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, copy_s=copied - start,
-                             total_s=time.monotonic() - start, holders=list(self.plan.holders[self.rank]))
+                             total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
+
+    def _reserve(self, job: _Job, store: object) -> Slot | None:
+        """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""
+        skip = self.ctx.config.backlog_policy == "skip"
+        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
+        pause = 0.0005
+        while True:
+            committed, abandoned = read_committed(store, self.inc.committed_key())
+            with self.engine.lock:
+                if self.stop.is_set() or self.watch.aborted():
+                    raise InterruptedError("generation over")
+                slot = free_slot(self.engine.slots, committed, abandoned)
+                if slot is not None:
+                    self.writing = slot
+                    slot.reserve(job.layout.nbytes)
+                    return slot
+            if skip:
+                return None
+            if time.monotonic() > deadline:
+                raise SwapAborted(f"no slot for snapshot {job.step}: nothing was committed before the collective "
+                                  "timeout")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+
+    def _report(self, store: object) -> None:
+        """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
+        held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
+        store.set(self.inc.durable_key(), json.dumps({"steps": held, "skipped": self.skipped}))  # type: ignore[attr-defined]
 
     def _copy(self, job: _Job, buffer: torch.Tensor) -> None:
         """Copies every tensor into its place in the slot; on GPU through a side stream into pinned memory."""
-        half = len(job.flat.tensors) // 2
-        with torch.cuda.stream(self._stream) if self.cuda else nullcontext():
-            if job.ready is not None:
-                self._stream.wait_event(job.ready)
+        engine, half = self.engine, len(job.flat.tensors) // 2
+        with torch.cuda.stream(engine._stream) if engine.cuda else nullcontext():
+            if job.ready is not None and engine._stream is not None:
+                engine._stream.wait_event(job.ready)
             for i, (tensor, (_, _, offset, n)) in enumerate(zip(job.flat.tensors, job.layout.specs)):
                 if i == half:
-                    self.ctx.faults.kill_point("snapshot_copy", job.step)
+                    self.ctx.faults.point("snapshot_copy", job.step)
                 if n:
-                    buffer[offset: offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=self.cuda)
-        if self.cuda:
-            self._stream.synchronize()
+                    buffer[offset: offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=engine.cuda)
+        if engine._stream is not None:
+            engine._stream.synchronize()
 
     def _connect(self, holder: str, store: object, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:
-            prefix = self.ctx.keys.pair_prefix(self.gen, self.rank, holder)
-            senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.gen,
+            prefix = self.inc.pair_prefix(self.inc.my_rank(), holder)
+            senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.inc.generation,
                                             self.ctx.config.collective_timeout_s)
 
     def _replicate(self, slot: Slot, holder: str, store: object, senders: dict[str, ReplicaSender]) -> None:
         self._connect(holder, store, senders)
-        midway = lambda: self.ctx.faults.kill_point("replicate", slot.step)  # noqa: E731
+
+        def midway() -> None:
+            self.ctx.faults.point("replicate", slot.step or 0)
+
         try:
             senders[holder].send(slot, midway)
         except ProtocolError as error:  # a corrupted transfer: send once more before giving up
             self.ctx.events.emit("replica_rejected", step=slot.step, holder=holder, error=str(error))
             senders[holder].send(slot)
-
-    def _await_commit(self, step: int, store: object, stop: threading.Event, skip: bool) -> bool:
-        """Waits until `step` is committed by all ranks; False at once under the skip policy."""
-        marker = self.ctx.keys.commit_marker(self.gen, step)
-        if skip and not store.check([marker]):
-            return False
-        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
-        try:
-            wait_for_key(store, marker, deadline, stopped=lambda: stop.is_set() or self.aborted())
-        except TimeoutError:
-            raise SwapAborted(f"snapshot {step} was not committed before the collective timeout") from None
-        self.committed = step
-        return True
-
-    def _mark_durable(self, step: int, store: object) -> None:
-        """Counts this rank in; the last rank to arrive commits the step for everyone."""
-        if store.add(self.ctx.keys.durable(self.gen, step), 1) == self.plan.world_size:
-            store.set(self.ctx.keys.committed(), json.dumps({"step": step, "gen": self.gen}))
-            store.set(self.ctx.keys.commit_marker(self.gen, step), "1")
-            self.ctx.events.emit("commit", step=step)
-

@@ -1,31 +1,71 @@
-"""Watches the store for the abort of this process's generation, so that no wait outlives it."""
+"""One generation's watch: sees the coordinator abort it, and tells the coordinator this rank is alive.
+
+A thread polls `abort/{g}` every poll interval, so `aborted()` is a free check for the training thread,
+the snapshot engine and any collective being waited on; when it sees the abort it also runs `on_abort`
+(on NCCL: abort the communicator, which releases a training thread blocked in a kernel or a host sync,
+where no Python check can run). The same thread publishes this rank's heartbeat: a beat counter and the
+training thread's progress (step, phase, whether it waits on peers). The coordinator fences a rank whose
+beat stops (SIGSTOP) or whose progress stops while it does not wait (spinning in the script).
+"""
 
 from __future__ import annotations
 
+import json
+import statistics
 import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from deadpool.runtime.context import Context, connect
+from deadpool.runtime.generation import Incarnation
+
+BEAT_EVERY_S = 0.1  # heartbeat period when progress does not change (progress changes are sent at once)
 
 
-class AbortWatcher:
-    """A thread that polls `abort/{gen}` every poll interval; `aborted()` is then a free check
-    for the training thread, the snapshot engine and any collective being waited on."""
+class Progress:
+    """What the training thread is doing, written by it and read by the watch thread (plain attributes:
+    a torn read costs nothing worse than one stale heartbeat)."""
 
-    def __init__(self, ctx: Context, gen: int) -> None:
-        self.ctx = ctx
-        self.gen = gen
-        self._event = threading.Event()
+    def __init__(self) -> None:
+        self.step, self.phase, self.waiting = 0, "start", False
+        self.step_times: list[float] = []
+
+    def mark(self, step: int, phase: str) -> None:
+        self.step, self.phase, self.waiting = step, phase, False
+
+    @contextmanager
+    def waiting_for(self, what: str) -> Iterator[None]:
+        """Marks a wait on peers (a collective, a commit): the waiting rank is never the hung one."""
+        before = self.phase, self.waiting
+        self.phase, self.waiting = what, True
+        try:
+            yield
+        finally:
+            self.phase, self.waiting = before
+
+    def record_step(self, duration: float) -> None:
+        self.step_times = (self.step_times + [duration])[-20:]
+
+    def pulse(self, gen: int, beat: int) -> str:
+        step_s = statistics.median(self.step_times) if self.step_times else None
+        return json.dumps({"gen": gen, "beat": beat, "step": self.step, "phase": self.phase,
+                           "waiting": self.waiting, "step_s": step_s})
+
+
+class Watch:
+    """Lives exactly as long as one generation of this process; `close()` ends it."""
+
+    def __init__(self, ctx: Context, inc: Incarnation, progress: Progress | None,
+                 on_abort: Callable[[], None] = lambda: None) -> None:
+        self.ctx, self.inc, self.progress, self.on_abort = ctx, inc, progress, on_abort
+        self._aborted = threading.Event()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="deadpool-abort-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"deadpool-watch-g{inc.generation}", daemon=True)
         self._thread.start()
 
-    def watch(self, gen: int) -> None:
-        """Follows a new generation (the old one's abort no longer applies)."""
-        self.gen = gen
-        self._event.clear()
-
     def aborted(self) -> bool:
-        return self._event.is_set()
+        return self._aborted.is_set()
 
     def close(self) -> None:
         self._closed.set()
@@ -33,7 +73,20 @@ class AbortWatcher:
 
     def _run(self) -> None:
         store = connect(self.ctx.config)  # its own client: never queued behind another thread's call
-        while not self._closed.wait(self.ctx.config.poll_interval_s):
-            gen = self.gen
-            if store.check([self.ctx.keys.abort(gen)]) and gen == self.gen:
-                self._event.set()
+        abort, beat_key = self.inc.abort_key(), self.ctx.keys.heartbeat(self.ctx.proc)
+        beat, sent, sent_t = 0, "", 0.0
+        try:
+            while not self._closed.wait(self.ctx.config.poll_interval_s):
+                if not self._aborted.is_set() and store.check([abort]):
+                    self._aborted.set()
+                    self.on_abort()
+                if self.progress is None:
+                    continue
+                now = time.monotonic()
+                if self.progress.pulse(self.inc.generation, beat) != sent or now - sent_t >= BEAT_EVERY_S:
+                    beat += 1
+                    sent, sent_t = self.progress.pulse(self.inc.generation, beat), now
+                    store.set(beat_key, sent)
+        except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
+            if not self._closed.is_set():
+                self.ctx.events.emit("watch_ended", error=str(error).splitlines()[0] if str(error) else "")

@@ -2,8 +2,10 @@
 
 import pytest
 
-from deadpool.coordinator.policy import (Decision, choose_restore_step, describe_exit, initial_plan,
-                                         place_replicas, plan_after_failure)
+from deadpool.coordinator.policy import (FAILURE, FINISHED, HANG_FLOOR_S, HANG_STEP_MULTIPLE, HANG_UNTIMED_S,
+                                         SCRIPT_ERROR, Decision, Durable, Pulse, abandoned_steps, choose_restore_step,
+                                         classify_exit, commit_step, describe_exit, hang_timeout, hang_verdict,
+                                         initial_plan, place_replicas, plan_after_failures)
 from deadpool.coordinator.protocol import Plan
 
 WORKERS = ("w0", "w1", "w2", "w3")
@@ -54,106 +56,214 @@ def test_initial_plan_without_replication_has_no_holders_but_keeps_spares():
         generation=0, ranks=("w0", "w1"), holders=((), ()), spares=("s0",), reason="job start", replicate=False)
 
 
-# ---- plan_after_failure ---------------------------------------------------------------------
+# ---- plan_after_failures --------------------------------------------------------------------
 
 def test_worker_failure_is_taken_over_by_its_holder():
     plan = initial_plan(4, ("s0", "s1", "s2"))  # holders: s0, s1, s2, s0
-    everyone = set(WORKERS) - {"w1"} | {"s0", "s1", "s2"}
-    decision = plan_after_failure(plan, "w1", everyone)
-    reason = "w1 (rank 1) failed; spare s1 takes rank 1"
+    decision = plan_after_failures(plan, 0, frozenset({"w1"}))
+    reason = "w1 (rank 1) failed; s1 takes rank 1"
     assert decision == Decision(Plan(
         generation=1, ranks=("w0", "s1", "w2", "w3"),
         holders=(("s0",), ("s2",), ("s0",), ("s2",)),  # re-placed round robin on the remaining pool
-        spares=("s0", "s2"), reason=reason), reason)
+        spares=("s0", "s2"), reason=reason, sources=(None, None, None, None)), reason)
 
 
 def test_last_spare_takes_over_and_leaves_no_holders():
     plan = initial_plan(2, ("s0",))
-    decision = plan_after_failure(plan, "w0", {"w1", "s0"})
-    reason = "w0 (rank 0) failed; spare s0 takes rank 0"
+    decision = plan_after_failures(plan, 0, frozenset({"w0"}))
+    reason = "w0 (rank 0) failed; s0 takes rank 0"
     assert decision == Decision(Plan(generation=1, ranks=("s0", "w1"), holders=((), ()), spares=(),
-                                     reason=reason), reason)
+                                     reason=reason, sources=(None, None)), reason)
 
 
-def test_generation_counts_on_from_the_failed_plan():
+def test_generation_counts_on_from_the_newest_published():
     plan = Plan(generation=5, ranks=("w0", "s0"), holders=(("s1",), ("s1",)), spares=("s1",))
-    decision = plan_after_failure(plan, "s0", {"w0", "s1"})  # s0 is rank 1 now: a worker failure
+    decision = plan_after_failures(plan, 5, frozenset({"s0"}))  # s0 is rank 1 now: a worker failure
     assert decision.value == Plan(generation=6, ranks=("w0", "s1"), holders=((), ()), spares=(),
-                                  reason="s0 (rank 1) failed; spare s1 takes rank 1")
+                                  reason="s0 (rank 1) failed; s1 takes rank 1", sources=(None, None))
+
+
+def test_two_failures_whose_replicas_share_a_holder_stream_one_to_the_other_spare():
+    """The bug this policy fixes: ranks 0 and 2 both replicate to s0; s1 takes rank 2 from s0's copy."""
+    plan = initial_plan(3, ("s0", "s1"))  # holders: s0, s1, s0
+    decision = plan_after_failures(plan, 0, frozenset({"w0", "w2"}))
+    reason = "w0 (rank 0), w2 (rank 2) failed; s0 takes rank 0, s1 takes rank 2 (from s0's replica)"
+    assert decision == Decision(Plan(generation=1, ranks=("s0", "w1", "s1"), holders=((), (), ()), spares=(),
+                                     reason=reason, sources=(None, None, "s0")), reason)
+    assert decision.value.sends_from("s0") == [2]
+
+
+@pytest.mark.parametrize("lost", [{"w0", "w1"}, {"w0", "w2"}, {"w1", "w2"}])
+def test_any_pair_of_a_three_rank_job_survives_with_two_spares(lost):
+    decision = plan_after_failures(initial_plan(3, ("s0", "s1")), 0, frozenset(lost))
+    plan = decision.value
+    assert plan is not None and set(plan.ranks) == {"w0", "w1", "w2", "s0", "s1"} - lost
+    for rank, proc in enumerate(plan.ranks):  # every taker has its state: held, or streamed from a holder
+        if proc.startswith("s"):
+            assert proc in initial_plan(3, ("s0", "s1")).holders[rank] or plan.sources[rank] is not None
+
+
+def test_all_ranks_lost_at_once_with_as_many_spares():
+    decision = plan_after_failures(initial_plan(3, ("s0", "s1", "s2")), 0, frozenset({"w0", "w1", "w2"}))
+    assert decision.value.ranks == ("s0", "s1", "s2") and decision.value.sources == (None, None, None)
+
+
+def test_failures_during_a_recovery_are_planned_from_the_steady_plan():
+    steady = initial_plan(3, ("s0", "s1"))
+    first = plan_after_failures(steady, 0, frozenset({"w1"})).value  # generation 1: s1 takes rank 1
+    assert first.generation == 1 and first.ranks == ("w0", "s1", "w2")
+    decision = plan_after_failures(steady, first.generation, frozenset({"w1", "w2"}))  # w2 dies while recovering
+    assert decision.value.generation == 2
+    assert decision.value.ranks == ("w0", "s1", "s0") and decision.value.sources == (None, None, None)
 
 
 def test_worker_failure_with_no_spare_left():
     plan = initial_plan(2, ())
-    assert plan_after_failure(plan, "w1", {"w0"}) == Decision(None, "no spare left in the pool")
+    assert plan_after_failures(plan, 0, frozenset({"w1"})) == Decision(
+        None, "w1 (rank 1) failed and no spare is left in the pool")
 
 
-def test_worker_failure_with_only_dead_spares():
-    plan = initial_plan(2, ("s0",))
-    assert plan_after_failure(plan, "w1", {"w0"}) == Decision(None, "no spare left in the pool")
+def test_more_failures_than_spares():
+    plan = initial_plan(3, ("s0",))
+    assert plan_after_failures(plan, 0, frozenset({"w0", "w2"})) == Decision(
+        None, "w2 (rank 2) failed and no spare is left in the pool")
 
 
-def test_live_spare_that_is_not_the_holder_cannot_take_over():
+def test_rank_whose_every_holder_is_lost():
     plan = initial_plan(2, ("s0", "s1"))  # rank 0 -> s0, rank 1 -> s1
-    # s0, rank 0's only holder, is dead; s1 is alive but holds rank 1, not rank 0.
-    decision = plan_after_failure(plan, "w0", {"w1", "s1"})
-    assert decision == Decision(None, "no live spare holds rank 0's snapshot")
+    decision = plan_after_failures(plan, 0, frozenset({"w0", "s0"}))
+    assert decision == Decision(None, "w0 (rank 0) failed and every holder of its replica (s0) is lost too")
 
 
 def test_spare_without_replicas_cannot_take_over_when_snapshots_are_off():
     plan = initial_plan(2, ("s0",), replicate=False)
-    assert plan_after_failure(plan, "w0", {"w1", "s0"}) == Decision(None, "no live spare holds rank 0's snapshot")
+    assert plan_after_failures(plan, 0, frozenset({"w0"})) == Decision(
+        None, "w0 (rank 0) failed and snapshots are off (--snapshot-every 0), so nobody holds its state")
 
 
 def test_dead_holder_is_skipped_for_a_live_one():
     plan = Plan(generation=0, ranks=("w0", "w1"), holders=(("s0", "s1"), ("s0", "s1")), spares=("s0", "s1"))
-    decision = plan_after_failure(plan, "w0", {"w1", "s1"})  # s0, the first holder, is dead
-    reason = "w0 (rank 0) failed; spare s1 takes rank 0"
-    assert decision == Decision(Plan(generation=1, ranks=("s1", "w1"), holders=((), ()), spares=(),
-                                     reason=reason), reason)
+    decision = plan_after_failures(plan, 0, frozenset({"w0", "s0"}))  # s0, the first holder, is dead
+    assert decision.value.ranks == ("s1", "w1") and decision.value.sources == (None, None)
 
 
 def test_first_live_holder_in_holder_order_is_chosen():
     plan = Plan(generation=0, ranks=("w0",), holders=(("s1", "s0"),), spares=("s0", "s1"))
-    decision = plan_after_failure(plan, "w0", {"s0", "s1"})
+    decision = plan_after_failures(plan, 0, frozenset({"w0"}))
     assert decision.value.ranks == ("s1",) and decision.value.spares == ("s0",)
-    assert decision.reason == "w0 (rank 0) failed; spare s1 takes rank 0"
+    assert decision.reason == "w0 (rank 0) failed; s1 takes rank 0"
 
 
-def test_failed_idle_spare_shrinks_the_pool():
+def test_failed_spare_with_replicas_starts_a_generation_to_place_them_anew():
     plan = initial_plan(4, ("s0", "s1", "s2"))
-    decision = plan_after_failure(plan, "s1", set(WORKERS) | {"s0", "s2"})
+    decision = plan_after_failures(plan, 0, frozenset({"s1"}))
     reason = "spare s1 lost; 2 left"
     assert decision == Decision(Plan(
         generation=1, ranks=WORKERS, holders=(("s0",), ("s2",), ("s0",), ("s2",)), spares=("s0", "s2"),
         reason=reason), reason)
 
 
-def test_failed_spare_that_is_still_listed_alive_is_removed():
-    # The agent may not have reaped the spare yet: the failed process must leave the pool regardless.
-    plan = initial_plan(2, ("s0", "s1"))
-    decision = plan_after_failure(plan, "s0", {"w0", "w1", "s0", "s1"})
-    assert decision.value.spares == ("s1",) and decision.value.holders == (("s1",), ("s1",))
-    assert decision.reason == "spare s0 lost; 1 left"
+def test_failed_spare_without_replicas_only_shrinks_the_pool():
+    plan = initial_plan(1, ("s0", "s1"))  # s1 holds nothing
+    decision = plan_after_failures(plan, 0, frozenset({"s1"}))
+    assert decision.value.generation == 0 and decision.value.spares == ("s0",)
 
 
-def test_last_spare_lost_leaves_an_empty_pool():
-    plan = initial_plan(2, ("s0",))
-    reason = "spare s0 lost; 0 left"
-    assert plan_after_failure(plan, "s0", {"w0", "w1"}) == Decision(Plan(
-        generation=1, ranks=("w0", "w1"), holders=((), ()), spares=(), reason=reason), reason)
-
-
-def test_spare_failure_also_drops_other_dead_spares():
-    plan = initial_plan(2, ("s0", "s1", "s2"))
-    decision = plan_after_failure(plan, "s0", {"w0", "w1", "s2"})  # s1 died too, unseen so far
-    assert decision == Decision(Plan(generation=1, ranks=("w0", "w1"), holders=(("s2",), ("s2",)), spares=("s2",),
-                                     reason="spare s0 lost; 1 left"), "spare s0 lost; 1 left")
+def test_spare_without_replicas_lost_during_a_recovery_still_gets_a_generation():
+    plan = initial_plan(1, ("s0", "s1", "s2"))  # s0 holds rank 0
+    decision = plan_after_failures(plan, 1, frozenset({"w0", "s2"}))  # generation 1 was recovering
+    assert decision.value.generation == 2 and decision.value.ranks == ("s0",) and decision.value.spares == ("s1",)
 
 
 def test_spare_loss_keeps_snapshots_off():
     plan = initial_plan(2, ("s0", "s1"), replicate=False)
-    decision = plan_after_failure(plan, "s1", {"w0", "w1", "s0"})
+    decision = plan_after_failures(plan, 0, frozenset({"s1"}))
     assert decision.value.holders == ((), ())
+
+
+# ---- classify_exit --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, kw, verdict", [
+    (0, dict(fenced=False, started=True, script_error=None), (FINISHED, "exited with code 0")),
+    (-9, dict(fenced=False, started=True, script_error=None), (FAILURE, "killed by SIGKILL")),
+    (-9, dict(fenced=True, started=True, script_error=None), (FAILURE, "hung, and fenced (SIGKILL)")),
+    (1, dict(fenced=False, started=True, script_error="ValueError: bad"),
+     (SCRIPT_ERROR, "the training script raised ValueError: bad")),
+    (1, dict(fenced=False, started=False, script_error=None),
+     (SCRIPT_ERROR, "the training script exited with code 1 before deadpool.init()")),
+    (1, dict(fenced=False, started=True, script_error=None), (FAILURE, "exited with code 1")),
+    (-11, dict(fenced=False, started=False, script_error=None), (FAILURE, "killed by SIGSEGV")),
+])
+def test_classify_exit(code, kw, verdict):
+    assert classify_exit(code, **kw) == Decision(*verdict)
+
+
+# ---- commit_step / abandoned_steps ----------------------------------------------------------
+
+def test_commit_the_newest_step_durable_everywhere():
+    reports = {0: Durable(steps=(4, 5)), 1: Durable(steps=(5, 4)), 2: Durable(steps=(4,))}
+    assert commit_step(3, reports) == Decision(4, "step 4 is durable on all 3 ranks")
+
+
+def test_nothing_new_to_commit():
+    assert commit_step(5, {0: Durable(steps=(5,)), 1: Durable(steps=(5,))}) == Decision(
+        None, "no newer step is durable on every rank")
+
+
+def test_first_commit_of_step_zero():
+    assert commit_step(None, {0: Durable(steps=(0,))}).value == 0
+
+
+def test_skipped_steps_are_abandoned_and_never_committed():
+    reports = {0: Durable(steps=(4, 5)), 1: Durable(steps=(4, 6), skipped=(5,))}
+    assert commit_step(3, reports).value == 4
+    assert abandoned_steps(4, reports) == [5]
+    assert abandoned_steps(5, reports) == []
+
+
+# ---- hang_timeout / hang_verdict ------------------------------------------------------------
+
+def test_hang_timeout_prefers_the_users_setting():
+    assert hang_timeout(7.5, [0.1]) == Decision(7.5, "--hang-timeout 7.5 s")
+
+
+def test_hang_timeout_before_any_step_is_timed():
+    assert hang_timeout(None, []).value == HANG_UNTIMED_S
+
+
+def test_hang_timeout_scales_with_the_slowest_step_above_a_floor():
+    assert hang_timeout(None, [0.1, 0.2]).value == HANG_FLOOR_S
+    decision = hang_timeout(None, [0.5, 2.0])
+    assert decision.value == HANG_STEP_MULTIPLE * 2.0 and "slowest median step (2.000 s)" in decision.reason
+
+
+def pulse(beat_t, progress_t, waiting=False, phase="forward", step=8):
+    return Pulse(beat_t=beat_t, progress_t=progress_t, step=step, phase=phase, waiting=waiting)
+
+
+def test_everyone_progressing_is_fine():
+    assert not hang_verdict(10.0, {0: pulse(9.9, 9.9), 1: pulse(9.9, 9.0, waiting=True)}, 3.0).ok
+
+
+def test_a_silent_rank_is_hung_and_its_waiting_peers_are_not():
+    pulses = {0: pulse(9.9, 2.0, waiting=True, phase="all_reduce"), 1: pulse(6.0, 6.0), 2: pulse(9.9, 2.0, True)}
+    decision = hang_verdict(10.0, pulses, 3.0)
+    assert decision.value == frozenset({1})
+    assert decision.reason == "rank 1 silent (no heartbeat) for 4.0 s in forward of step 8 while rank(s) [0, 2] wait for it"
+
+
+def test_a_busy_rank_without_progress_is_hung_while_a_peer_waits():
+    pulses = {0: pulse(9.9, 2.0, waiting=True), 1: pulse(9.9, 5.0)}  # rank 1 beats but is stuck (spinning)
+    decision = hang_verdict(10.0, pulses, 3.0)
+    assert decision.value == frozenset({1}) and "rank 1 busy without progress for 5.0 s" in decision.reason
+
+
+def test_a_long_step_with_nobody_waiting_is_not_a_hang():
+    assert not hang_verdict(10.0, {0: pulse(9.9, 2.0), 1: pulse(9.9, 2.0)}, 3.0).ok
+
+
+def test_everyone_waiting_and_alive_blames_no_one():
+    assert not hang_verdict(10.0, {0: pulse(9.9, 2.0, True), 1: pulse(9.9, 2.0, True)}, 3.0).ok
 
 
 # ---- choose_restore_step --------------------------------------------------------------------
@@ -192,9 +302,7 @@ def test_only_newer_common_steps_is_nothing():
 
 
 def test_nothing_committed_yet():
-    decision = choose_restore_step(-1, {0: [], 1: [1]})
-    assert decision == Decision(
-        None, "no snapshot at or before committed step -1 is intact on every rank (rank 0: [], rank 1: [1])")
+    assert choose_restore_step(None, {0: [], 1: [1]}) == Decision(None, "no snapshot was committed yet")
 
 
 def test_no_holdings_at_all():

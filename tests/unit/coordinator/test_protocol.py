@@ -23,7 +23,7 @@ def test_plan_json_is_plain_data():
     assert json.loads(PLAN.to_json()) == {
         "generation": 3, "ranks": ["w0", "s1", "w2"], "holders": [["s0"], ["s0", "s2"], []],
         "spares": ["s0", "s2"], "reason": "w1 (rank 1) failed; spare s1 takes rank 1",
-        "replicate": True}
+        "replicate": True, "sources": []}
 
 
 def test_plan_default_reason():
@@ -48,8 +48,9 @@ def test_held_by():
 
 def all_keys(keys: Keys, gen: int) -> list[str]:
     return [keys.generation(), keys.plan(gen), keys.abort(gen), keys.shutdown(), keys.group_prefix(gen),
-            keys.pair_prefix(gen, 1, "s0"), keys.durable(gen, 5), keys.commit_marker(gen, 5), keys.committed(),
-            keys.ready(gen, 1), keys.target(gen), keys.resumed(gen, 1), keys.fault_fired(0)]
+            keys.pair_prefix(gen, 1, "s0"), keys.transfer_prefix(gen, 1), keys.durable(gen, 5), keys.committed(gen),
+            keys.ready(gen, 1), keys.target(gen), keys.resumed(gen, 1), keys.running(gen), keys.started("w1"),
+            keys.heartbeat("w1"), keys.script_error("w1"), keys.fault_fired(0)]
 
 
 def test_every_key_is_under_the_token_prefix():
@@ -64,8 +65,9 @@ def test_keys_exact_names():
     keys = Keys("t")
     assert all_keys(keys, 2) == [
         "deadpool/t/gen", "deadpool/t/plan/2", "deadpool/t/abort/2", "deadpool/t/shutdown", "deadpool/t/g2/pg/",
-        "deadpool/t/g2/rep/1/s0/", "deadpool/t/g2/durable/5", "deadpool/t/g2/commit/5", "deadpool/t/committed",
-        "deadpool/t/g2/ready/1", "deadpool/t/g2/target", "deadpool/t/g2/resumed/1", "deadpool/t/fault/0"]
+        "deadpool/t/g2/rep/1/s0/", "deadpool/t/g2/xfer/1/", "deadpool/t/g2/durable/5", "deadpool/t/g2/committed",
+        "deadpool/t/g2/ready/1", "deadpool/t/g2/target", "deadpool/t/g2/resumed/1", "deadpool/t/running/2",
+        "deadpool/t/started/w1", "deadpool/t/hb/w1", "deadpool/t/error/w1", "deadpool/t/fault/0"]
 
 
 def test_different_tokens_share_no_key():
@@ -79,11 +81,11 @@ def test_generations_get_disjoint_data_plane_prefixes():
         assert a != b and not a.startswith(b) and not b.startswith(a)
         a, b = keys.pair_prefix(g1, 0, "s0"), keys.pair_prefix(g2, 0, "s0")
         assert a != b and not a.startswith(b) and not b.startswith(a)
-    per_gen = ["plan", "abort", "target"]
+    per_gen = ["plan", "abort", "target", "committed", "running"]
     for name in per_gen:
         assert getattr(keys, name)(1) != getattr(keys, name)(2)
     assert keys.ready(1, 0) != keys.ready(2, 0) and keys.resumed(1, 0) != keys.resumed(2, 0)
-    assert keys.durable(1, 5) != keys.durable(2, 5) and keys.commit_marker(1, 5) != keys.commit_marker(2, 5)
+    assert keys.durable(1, 5) != keys.durable(2, 5) and keys.transfer_prefix(1, 0) != keys.transfer_prefix(2, 0)
 
 
 def test_pair_prefixes_differ_by_rank_and_holder():
@@ -97,3 +99,10 @@ def test_encode_decode_round_trip():
     value = {"step": 7, "gen": 2, "steps": [5, 7]}
     assert decode(encode(value)) == value
     assert decode(encode(value).encode()) == value
+
+
+def test_sources_say_who_streams_a_replica_to_its_new_owner():
+    plan = Plan(generation=1, ranks=("s0", "w1", "s1"), holders=((), (), ()), spares=(), sources=(None, None, "s0"))
+    assert plan.source_of(2) == "s0" and plan.source_of(0) is None
+    assert plan.sends_from("s0") == [2] and plan.sends_from("s1") == []
+    assert Plan.from_json(plan.to_json()) == plan

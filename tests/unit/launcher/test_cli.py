@@ -1,4 +1,4 @@
-"""Tests for deadpool/launcher/cli.py: argument parsing and building the JobConfig of `deadpool run`."""
+"""Tests for deadpool/launcher/cli.py and options.py: argument parsing and building the JobConfig of `deadpool run`."""
 
 import argparse
 import re
@@ -8,22 +8,27 @@ import pytest
 
 from deadpool.config import Fault, JobConfig
 from deadpool.errors import ConfigError
-from deadpool.launcher.cli import build_parser, job_config, parse_fault, snapshot_every
+from deadpool.launcher.cli import build_parser, ranks_list
+from deadpool.launcher.options import job_config, parse_faults, snapshot_every
 
 
-# ---- parse_fault ----------------------------------------------------------------------------
+# ---- parse_faults ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, fault", [
-    ("kill:2:15:backward", Fault(kind="kill", rank=2, step=15, phase="backward")),
-    ("kill:0:1:snapshot_copy", Fault(kind="kill", rank=0, step=1, phase="snapshot_copy")),
-    ("kill:3:7", Fault(kind="kill", rank=3, step=7, phase="backward")),
-    ("corrupt_replica:1:10", Fault(kind="corrupt_replica", rank=1, step=10)),
+@pytest.mark.parametrize("text, faults", [
+    ("kill:2:15:backward", [Fault(kind="kill", rank=2, step=15, phase="backward")]),
+    ("kill:0:1:snapshot_copy", [Fault(kind="kill", rank=0, step=1, phase="snapshot_copy")]),
+    ("kill:3:7", [Fault(kind="kill", rank=3, step=7, phase="backward")]),
+    ("corrupt_replica:1:10", [Fault(kind="corrupt_replica", rank=1, step=10)]),
+    ("hang:1:9:forward", [Fault(kind="hang", rank=1, step=9, phase="forward")]),
+    ("error:1:20", [Fault(kind="error", rank=1, step=20)]),
+    ("kill:0+2:5", [Fault(kind="kill", rank=0, step=5), Fault(kind="kill", rank=2, step=5)]),
+    ("kill:2+2:5", [Fault(kind="kill", rank=2, step=5)]),
 ])
-def test_parse_fault(text, fault):
-    assert parse_fault(text) == fault
+def test_parse_faults(text, faults):
+    assert parse_faults(text) == faults
 
 
-FORMAT = ("expected KIND:RANK:STEP[:PHASE], e.g. kill:2:15:backward "
+FORMAT = ("expected KIND:RANK[+RANK...]:STEP[:PHASE], e.g. kill:2:15:backward or kill:0+2:15 "
           "(phases: step_start, forward, backward, after_optimizer, snapshot_copy, replicate, recovery)")
 
 
@@ -34,14 +39,21 @@ FORMAT = ("expected KIND:RANK:STEP[:PHASE], e.g. kill:2:15:backward "
     ("kill:a:3", f"--fault 'kill:a:3': {FORMAT}"),
     ("kill:1:three", f"--fault 'kill:1:three': {FORMAT}"),
     ("kill:-1:3", f"--fault 'kill:-1:3': {FORMAT}"),
-    ("explode:1:2", "fault kind 'explode' is not one of ('kill', 'corrupt_replica')"),
+    ("kill:0+:3", f"--fault 'kill:0+:3': {FORMAT}"),
+    ("explode:1:2", "fault kind 'explode' is not one of ('kill', 'hang', 'error', 'corrupt_replica')"),
     ("kill:1:0", "fault needs rank >= 0 and step >= 1, got rank=1 step=0"),
     ("kill:1:2:sideways", "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', "
                           "'after_optimizer', 'snapshot_copy', 'replicate', 'recovery')"),
 ])
-def test_parse_fault_rejects(text, message):
+def test_parse_faults_rejects(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(message)}$"):
-        parse_fault(text)
+        parse_faults(text)
+
+
+def test_ranks_list():
+    assert ranks_list("0,2") == [0, 2] and ranks_list("3") == [3] and ranks_list("1,1") == [1]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a rank or ranks separated by commas"):
+        ranks_list("0;2")
 
 
 # ---- snapshot_every -------------------------------------------------------------------------
@@ -65,8 +77,8 @@ def test_run_defaults():
     config = job_config(args, args.script, args.script_args, Path("/tmp/out"))
     assert config == JobConfig(script="train.py", script_args=(), workers=2, spares=0, run_dir="/tmp/out",
                                store_host="127.0.0.1", store_port=0, backend="auto", snapshot_every=1,
-                               snapshot_budget=0.01, backlog_policy="wait", decision_timeout_s=10.0,
-                               recovery_timeout_s=30.0, collective_timeout_s=60.0, faults=())
+                               snapshot_budget=0.01, backlog_policy="wait", settle_s=0.1, hang_timeout_s=None,
+                               decision_timeout_s=10.0, recovery_timeout_s=30.0, collective_timeout_s=60.0, faults=())
     assert args.command == "run" and args.out is None
 
 
@@ -75,15 +87,18 @@ def test_run_with_every_option():
         "run", "--nproc-per-node", "4", "--spares", "2", "--snapshot-every", "auto", "--snapshot-budget", "0.05",
         "--backlog-policy", "skip", "--backend", "gloo", "--master-addr", "10.0.0.1", "--master-port", "29500",
         "--decision-timeout", "5", "--recovery-timeout", "20", "--collective-timeout", "40",
-        "--fault", "kill:3:15:forward", "--fault", "corrupt_replica:1:10", "--out", "runs/x",
+        "--settle-window", "0.2", "--hang-timeout", "6",
+        "--fault", "kill:3:15:forward", "--fault", "corrupt_replica:1:10", "--fault", "hang:0+1:4", "--out", "runs/x",
         "train.py", "--steps", "40", "--lr", "0.1"])
     assert args.out == Path("runs/x")
     config = job_config(args, args.script, args.script_args, args.out)
     assert config == JobConfig(
         script="train.py", script_args=("--steps", "40", "--lr", "0.1"), workers=4, spares=2, run_dir="runs/x",
         store_host="10.0.0.1", store_port=29500, backend="gloo", snapshot_every="auto", snapshot_budget=0.05,
-        backlog_policy="skip", decision_timeout_s=5.0, recovery_timeout_s=20.0, collective_timeout_s=40.0,
-        faults=(Fault(kind="kill", rank=3, step=15, phase="forward"), Fault(kind="corrupt_replica", rank=1, step=10)))
+        backlog_policy="skip", settle_s=0.2, hang_timeout_s=6.0, decision_timeout_s=5.0, recovery_timeout_s=20.0,
+        collective_timeout_s=40.0,
+        faults=(Fault(kind="kill", rank=3, step=15, phase="forward"), Fault(kind="corrupt_replica", rank=1, step=10),
+                Fault(kind="hang", rank=0, step=4), Fault(kind="hang", rank=1, step=4)))
     assert type(config.script_args) is tuple and type(config.faults) is tuple
 
 
@@ -108,7 +123,7 @@ def test_job_config_validates_timeout_order():
 
 
 @pytest.mark.parametrize("argv, complaint", [
-    (["run", "--fault", "kill:9", "train.py"], "argument --fault: --fault 'kill:9': expected KIND:RANK:STEP[:PHASE]"),
+    (["run", "--fault", "kill:9", "train.py"], "argument --fault: --fault 'kill:9': expected KIND:RANK[+RANK...]:STEP[:PHASE]"),
     (["run", "--fault", "nap:0:1", "train.py"], "argument --fault: fault kind 'nap' is not one of"),
     (["run", "--snapshot-every", "often", "train.py"], "argument --snapshot-every: --snapshot-every must be"),
     (["run", "--backend", "mpi", "train.py"], "argument --backend: invalid choice: 'mpi'"),

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from deadpool.coordinator.policy import initial_plan, plan_after_failure
+from deadpool.coordinator.policy import initial_plan, plan_after_failures
 from deadpool.sim import cli
 from deadpool.sim.model import (DAY, ClusterParams, analytic_goodput, checkpoint_restart_goodput, erlang_b,
                                 hot_swap_goodput, replica_drop_goodput, simulate, spare_load, spares_needed,
@@ -147,14 +147,11 @@ def test_no_failures_need_no_spares():
 
 
 def test_pool_rule_is_the_coordinator_policy():
-    """The simulator swaps whenever a spare is idle: plan_after_failure agrees, as replicas are re-placed on
+    """The simulator swaps whenever a spare is idle: plan_after_failures agrees, as replicas are re-placed on
     the remaining spares after every swap."""
     plan = initial_plan(6, ("s0", "s1", "s2"))
-    alive = set(plan.ranks) | set(plan.spares)
     for rank in range(5):
-        failed = plan.ranks[rank]
-        alive.discard(failed)
-        decision = plan_after_failure(plan, failed, alive)
+        decision = plan_after_failures(plan, plan.generation, frozenset({plan.ranks[rank]}))
         assert decision.ok == bool(plan.spares), decision.reason
         plan = decision.value if decision.ok else plan
 

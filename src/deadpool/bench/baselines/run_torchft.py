@@ -3,7 +3,8 @@
 torchft has no launcher that restarts a replica on a single machine, so this one plays the scheduler:
 it runs torchft's lighthouse on loopback, starts one process per replica group (releasing them together
 through a TCPStore barrier once every replica's manager is up), and restarts a replica that died from
-SIGKILL as soon as it sees it gone (once per run).
+SIGKILL as soon as it sees it gone (once per run). A SIGSTOPped replica is alive to it, as to any
+scheduler that watches processes: it stays stopped until the run ends.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import IO
 
 import torch.distributed as dist
 
+from deadpool.bench.baselines.bounded import STALLED_EXIT, TIMEOUT_EXIT, FaultWatch
 from deadpool.events import read_events
 
 SCRIPT = Path(__file__).resolve().with_name("torchft_gpt.py")
-TIMEOUT_EXIT = 124  # the exit code reported when the run was killed for exceeding timeout_s, as `timeout` does
 POLL_S = 0.02  # how often the launcher looks for exited replicas: bounds its restart delay
 FINISH_GRACE_S = 10.0  # once one replica has finished, how long the others get to finish too
 LISTENING = re.compile(r"Lighthouse listening on: http://[^\s:]+:(\d+)")
@@ -71,15 +72,17 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def run_torchft(out_dir: Path, *, workers: int, steps: int, kill: tuple[int, int] | None,
-                script_args: tuple[str, ...] = (), timeout_s: float = 300,
-                heartbeat_timeout_ms: int = 5000) -> tuple[int, list[dict]]:
+                hang: tuple[int, int] | None = None, script_args: tuple[str, ...] = (), timeout_s: float = 300,
+                hang_wait_s: float | None = None, heartbeat_timeout_ms: int = 5000) -> tuple[int, list[dict]]:
     """Runs the example GPT as `workers` torchft replica groups of one process each, min_replica_size
     workers-1; `kill=(replica, step)` makes that replica SIGKILL itself in the backward pass of that step,
-    and the launcher then starts it again at once. Returns 0 if the job finished (replicas still running
-    FINISH_GRACE_S after the first one finished are stopped: a restarted replica that arrives after the
+    and the launcher then starts it again at once; `hang=(replica, step)` makes it SIGSTOP itself there
+    instead, and it is left stopped. Returns 0 if the job finished (replicas still running, or stopped,
+    FINISH_GRACE_S after the first one finished are killed: a restarted replica that arrives after the
     last step never gets a quorum), the exit status of the first replica that failed otherwise (128 +
-    signal for a signal), or TIMEOUT_EXIT if the run was killed after timeout_s; and the events of every
-    replica and incarnation, in file order.
+    signal for a signal), TIMEOUT_EXIT if the run was killed after timeout_s, or STALLED_EXIT if it was
+    killed for committing no step within hang_wait_s (None: no such bound) of the fault; and the events
+    of every replica and incarnation, in file order.
 
     heartbeat_timeout_ms is the lighthouse's (torchft's default 5000): how long a dead replica's last
     heartbeat keeps it in the lighthouse's view, so roughly how long the survivors wait for a new quorum.
@@ -116,14 +119,21 @@ def run_torchft(out_dir: Path, *, workers: int, steps: int, kill: tuple[int, int
                        "--steps", str(steps), "--events", str(events_path), *script_args]
                 if kill is not None:
                     cmd += ["--kill-rank", str(kill[0]), "--kill-step", str(kill[1])]
+                if hang is not None:
+                    cmd += ["--hang-rank", str(hang[0]), "--hang-step", str(hang[1])]
                 return spawn(cmd, log)
 
             running = {index: (replica(index, 0), 0) for index in range(workers)}
             restarts_left, code, finished_at = 1, 0, None
+            watch = FaultWatch(events_path, hang_wait_s)
             while running and code == 0:
                 if time.monotonic() > deadline:
                     log.write(f"\n[run_torchft] killed after {timeout_s} s\n".encode())
                     code = TIMEOUT_EXIT
+                    break
+                if watch.stalled(time.monotonic()):
+                    log.write(f"\n[run_torchft] no step within {hang_wait_s:g} s of the fault: killed\n".encode())
+                    code = STALLED_EXIT
                     break
                 if finished_at is not None and time.monotonic() > finished_at + FINISH_GRACE_S:
                     # The job has committed its last step. A restarted replica that had not healed in by

@@ -7,48 +7,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from deadpool.bench.baselines.bounded import FaultWatch, wait_bounded
 from deadpool.events import read_events
 
 SCRIPT = Path(__file__).resolve().with_name("torchrun_dcp.py")
-TIMEOUT_EXIT = 124  # the exit code reported when the run was killed for exceeding timeout_s, as `timeout` does
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live process below `root`. torchrun starts each worker in a session of its own, so killing
-    torchrun's process group would miss them."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILLs torchrun's process group and every process below torchrun, then reaps torchrun."""
-    victims = _descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 
 def _kill_stray_workers(events: list[dict[str, Any]]) -> None:
@@ -67,27 +32,32 @@ def _kill_stray_workers(events: list[dict[str, Any]]) -> None:
 
 
 def torchrun_command(out_dir: Path, *, workers: int, steps: int, ckpt_every: int, kill: tuple[int, int] | None,
-                     script_args: tuple[str, ...] = (), max_restarts: int = 1,
+                     hang: tuple[int, int] | None = None, script_args: tuple[str, ...] = (), max_restarts: int = 1,
                      async_save: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
            "--max-restarts", str(max_restarts), str(SCRIPT), "--steps", str(steps), "--ckpt-every", str(ckpt_every),
            "--ckpt-dir", str(out_dir / "ckpt"), "--events", str(out_dir / "events.jsonl"), *script_args]
     if kill is not None:
         cmd += ["--kill-rank", str(kill[0]), "--kill-step", str(kill[1])]
+    if hang is not None:
+        cmd += ["--hang-rank", str(hang[0]), "--hang-step", str(hang[1])]
     if async_save:
         cmd.append("--async-save")
     return cmd
 
 
 def run_torchrun_dcp(out_dir: Path, *, workers: int, steps: int, ckpt_every: int, kill: tuple[int, int] | None,
-                     script_args: tuple[str, ...] = (), timeout_s: float = 300,
+                     hang: tuple[int, int] | None = None, script_args: tuple[str, ...] = (),
+                     timeout_s: float = 300, hang_wait_s: float | None = None,
                      share_rdzv_store: bool = False, async_save: bool = False,
                      max_restarts: int = 1) -> tuple[int, list[dict]]:
     """Runs the example GPT under torchrun (--standalone, --max-restarts max_restarts) with DCP checkpoints
     every `ckpt_every` steps (0: none), synchronous or, with async_save, dcp.async_save; `kill=(rank, step)`
-    makes that rank SIGKILL itself in the backward pass of that step on the first attempt. Returns torchrun's
-    exit code (TIMEOUT_EXIT if it ran past timeout_s and was killed with all its workers) and the events of
-    every rank and attempt, in file order.
+    makes that rank SIGKILL itself in the backward pass of that step on the first attempt, `hang=(rank, step)`
+    SIGSTOP itself there instead (torchrun sees a live worker: see torchrun_dcp.py). Returns torchrun's exit
+    code, or, when it was killed with all its workers, bounded.TIMEOUT_EXIT if it ran past timeout_s and
+    bounded.STALLED_EXIT if it completed no step within hang_wait_s (None: no such bound) of the fault;
+    and the events of every rank and attempt, in file order.
 
     Writes out_dir/events.jsonl, out_dir/ckpt/ (both cleared first: stale checkpoints would be resumed
     from) and out_dir/torchrun.log (torchrun's and the workers' stdout and stderr).
@@ -106,22 +76,14 @@ def run_torchrun_dcp(out_dir: Path, *, workers: int, steps: int, ckpt_every: int
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     else:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = torchrun_command(out_dir, workers=workers, steps=steps, ckpt_every=ckpt_every, kill=kill,
+    cmd = torchrun_command(out_dir, workers=workers, steps=steps, ckpt_every=ckpt_every, kill=kill, hang=hang,
                            script_args=script_args, max_restarts=max_restarts, async_save=async_save)
     with open(out_dir / "torchrun.log", "wb") as log:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
-            code = TIMEOUT_EXIT
-            log.write(f"\n[run_torchrun_dcp] killed after {timeout_s} s\n".encode())
-        except BaseException:  # KeyboardInterrupt and the like: leave nothing running
-            _kill_tree(proc)
-            raise
+        code = wait_bounded(proc, FaultWatch(events_path, hang_wait_s), timeout_s, log)
     events = list(read_events(events_path)) if events_path.is_file() else []
     _kill_stray_workers(events)
     return code, events

@@ -25,6 +25,11 @@ Recovery, the torchft way:
     joins a quorum at step 0, behind the others, so torchft heals it: it fetches the live state of a
     peer (model, optimizer, data position, RNG states and the step) over torchft's HTTP checkpoint
     transport, then trains with the others.
+  * A replica that hangs instead (--hang-rank/--hang-step: it SIGSTOPs itself, its heartbeat with it)
+    stays alive and is never restarted. The survivors' all-reduce times out after --pg-timeout-s, the
+    step is discarded, and by then the lighthouse has dropped the silent replica (no heartbeat within
+    its timeout), so the survivors go on with N-1 replicas to the end (observed with 3 replicas and the
+    5 s defaults: the retried step committed 5.05 s after the SIGSTOP).
 
 Step numbering: step k is the k-th committed optimizer step, i.e. manager.current_step() after the
 commit; a discarded attempt is retried under the same k. A healed replica takes the step of the peer it
@@ -51,7 +56,6 @@ import argparse
 import logging
 import os
 import random
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -64,8 +68,8 @@ import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 
 import deadpool
-from deadpool.bench.baselines.torchrun_dcp import (Events, add_example_arguments, rng_state, set_rng_state,
-                                                   state_sha256)
+from deadpool.bench.baselines.torchrun_dcp import (Events, add_example_arguments, add_fault_arguments, inject_fault,
+                                                   planned_fault, rng_state, set_rng_state, state_sha256)
 
 sys.path.insert(0, str(Path(deadpool.__file__).resolve().parents[2] / "examples" / "gpt"))
 from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E402
@@ -91,11 +95,9 @@ def parse_args() -> argparse.Namespace:
                    help="gloo's: how long a replica waits in an all-reduce for a peer that is gone")
     p.add_argument("--timeout-s", type=float, default=30.0, help="the manager's: RPCs, checkpoint transfer")
     p.add_argument("--events", required=True, type=Path, help="JSON-lines file shared by all replicas")
-    p.add_argument("--kill-rank", type=int, default=None, help="replica that SIGKILLs itself (incarnation 0)")
-    p.add_argument("--kill-step", type=int, default=None, help="step in whose backward pass it does so")
+    add_fault_arguments(p)  # the rank is the replica; only incarnation 0 injects it
     args = p.parse_args()
-    if (args.kill_rank is None) != (args.kill_step is None):
-        p.error("--kill-rank and --kill-step go together")
+    args.fault = planned_fault(p, args)
     if not args.lighthouse:
         p.error("--lighthouse or TORCHFT_LIGHTHOUSE is required")
     if args.min_replicas is None:
@@ -171,14 +173,8 @@ def main() -> None:
         wait_for_all_replicas(args.start_store, args.replicas, args.timeout_s)
 
     current = {"step": 0}
-    if args.kill_rank == args.replica and args.incarnation == 0:
-        def kill(grad: torch.Tensor) -> None:
-            if current["step"] == args.kill_step:
-                events.emit("fault_injected", kind="kill", target_rank=args.replica, step=current["step"])
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        params = [p for p in gpt.parameters() if p.requires_grad]
-        params[len(params) // 2].register_hook(kill)  # fires midway through backward, as DeadPool's does
+    if args.fault is not None and args.fault[1] == args.replica and args.incarnation == 0:
+        inject_fault(gpt, args.fault[0], args.fault[2], args.replica, current, events)
 
     quorum_id = -1
     while manager.current_step() < args.steps:

@@ -4,8 +4,11 @@ Plain DDP on gloo, launched by torchrun with `--max-restarts`; every `--ckpt-eve
 torch.distributed.checkpoint (DCP) save: synchronous (dcp.save), or with `--async-save` dcp.async_save
 (see `AsyncCheckpointer`); `--ckpt-every 0` never checkpoints. When a worker dies, torchrun kills the
 others and restarts all of them; they resume from the newest complete checkpoint and replay the steps
-since. The workload is DeadPool's example (examples/gpt: same model, data, sampler, optimizer, seeds,
-arguments and defaults).
+since. A worker that hangs instead (--hang-rank/--hang-step: it SIGSTOPs itself) is alive to torchrun,
+which watches only exit codes: the others wait in their gradient all-reduce until gloo's timeout
+(init_process_group's default, 30 minutes) and nothing restarts before then (observed with torch 2.13:
+no step in the 60 s after the SIGSTOP, nothing in torchrun's log). The workload is DeadPool's example
+(examples/gpt: same model, data, sampler, optimizer, seeds, arguments and defaults).
 
 Checkpoint layout, under --ckpt-dir:
   step-{k}/                DCP checkpoint of {"model", "optim"} (get_state_dict helpers) plus
@@ -25,7 +28,7 @@ Events (JSON lines appended to --events, one os.write each, O_APPEND; all carry 
 which is system-wide on Linux, plus "rank", "attempt" (TORCHELASTIC_RESTART_COUNT), "wall" and "pid"):
 process_start (before joining the process group), resumed (from_step, load_s: DCP and per-rank load,
 warmup_s: the bucket warm-up), step (step, loss, dur_s, samples: the batch's sample ids; t at the step's
-end), checkpoint (step, mode, save_s; async: wait_s), fault_injected, finished (step, state_sha256,
+end), checkpoint (step, mode, save_s; async: wait_s), fault_injected (kind: kill or hang), finished (step, state_sha256,
 documented at `state_sha256` below). With --async-save also checkpoint_written (step; t when this rank's
 background save finished; ok: without error) and, from rank 0, checkpoint_renamed (step; t after the
 rename).
@@ -70,6 +73,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 SAVE_TIMEOUT_S = 600.0  # the longest a rank waits for a background save to finish
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}  # what a worker does to itself per fault kind
 
 
 def add_example_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +90,41 @@ def add_example_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1337)
 
 
+def add_fault_arguments(p: argparse.ArgumentParser) -> None:
+    """--kill-rank/--kill-step or --hang-rank/--hang-step: the one fault a run injects (first incarnation)."""
+    for kind, does in (("kill", "SIGKILLs"), ("hang", "SIGSTOPs")):
+        p.add_argument(f"--{kind}-rank", type=int, default=None, help=f"rank that {does} itself (first attempt only)")
+        p.add_argument(f"--{kind}-step", type=int, default=None, help="step in whose backward pass it does so")
+
+
+def planned_fault(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int, int] | None:
+    """The fault the arguments ask for, as (kind, rank, step), or None; a parser error for half a fault or two."""
+    faults = []
+    for kind in FAULT_SIGNALS:
+        rank, step = getattr(args, f"{kind}_rank"), getattr(args, f"{kind}_step")
+        if (rank is None) != (step is None):
+            p.error(f"--{kind}-rank and --{kind}-step go together")
+        if rank is not None:
+            faults.append((kind, rank, step))
+    if len(faults) > 1:
+        p.error("one fault per run: --kill-rank/--kill-step or --hang-rank/--hang-step")
+    return faults[0] if faults else None
+
+
+def inject_fault(model: torch.nn.Module, kind: str, step: int, rank: int, current: dict[str, int],
+                 events: Events) -> None:
+    """Makes this process SIGKILL (kind "kill") or SIGSTOP (kind "hang") itself midway through the backward
+    pass of `step` (current["step"] is the step in progress), where DeadPool's injector strikes too. A
+    stopped worker is alive to its launcher and keeps its sockets open: its peers only see it go silent."""
+    def hook(grad: torch.Tensor) -> None:
+        if current["step"] == step:
+            events.emit("fault_injected", kind=kind, target_rank=rank, step=step)
+            os.kill(os.getpid(), FAULT_SIGNALS[kind])
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    params[len(params) // 2].register_hook(hook)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_example_arguments(p)
@@ -95,11 +134,9 @@ def parse_args() -> argparse.Namespace:
                    help="dcp.async_save: stage a copy in the step, write it in a background thread")
     p.add_argument("--ckpt-dir", required=True, type=Path)
     p.add_argument("--events", required=True, type=Path, help="JSON-lines file shared by all ranks and restarts")
-    p.add_argument("--kill-rank", type=int, default=None, help="rank that SIGKILLs itself (first attempt only)")
-    p.add_argument("--kill-step", type=int, default=None, help="step in whose backward pass it does so")
+    add_fault_arguments(p)
     args = p.parse_args()
-    if (args.kill_rank is None) != (args.kill_step is None):
-        p.error("--kill-rank and --kill-step go together")
+    args.fault = planned_fault(p, args)
     if args.ckpt_every < 0:
         p.error("--ckpt-every must be 0 (never) or more")
     return args
@@ -334,14 +371,8 @@ def main() -> None:
                            rank=rank, world_size=world_size, seed=args.seed)
 
     current = {"step": 0}
-    if args.kill_rank == rank and ATTEMPT == 0:
-        def kill(grad: torch.Tensor) -> None:
-            if current["step"] == args.kill_step:
-                events.emit("fault_injected", kind="kill", target_rank=rank, step=current["step"])
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        params = [p for p in gpt.parameters() if p.requires_grad]
-        params[len(params) // 2].register_hook(kill)  # fires midway through backward, as DeadPool's does
+    if args.fault is not None and args.fault[1] == rank and ATTEMPT == 0:
+        inject_fault(gpt, args.fault[0], args.fault[2], rank, current, events)
 
     if rank == 0:  # leftovers of a save that was interrupted
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
