@@ -257,7 +257,9 @@ class Session:
                   flush=True)
 
     def _finish(self) -> None:
-        self.engine.wait_copied()
+        if self.every:
+            with self.progress.waiting_for("commit"):
+                self.engine.drain()
         # the training state: everything registered, the RNGs and the step, not DeadPool's own settings
         training = {name: obj for name, obj in self._tree.items() if name != "deadpool"}
         digests = {**state_sha256(training), "step": str(self.step)}

@@ -84,6 +84,7 @@ class SnapshotEngine:
             ready = torch.cuda.Event()
             ready.record()
         self._run.copied.clear()
+        self._run.idle.clear()
         self._run.jobs.put(_Job(step, flat, Layout.of(flat.tensors), ready))
 
     def wait_copied(self) -> float:
@@ -101,6 +102,20 @@ class SnapshotEngine:
         waited = time.monotonic() - start
         self.wait_s += waited
         return waited
+
+    def drain(self) -> None:
+        """At the end of training: waits until the last snapshot is durable (or skipped) and the newest
+        durable one is committed, so a finished job leaves its final state committed in memory."""
+        run = self._run
+        assert run is not None
+        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
+        while not run.idle.wait(0.01):
+            run.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise SwapAborted("the last snapshot was not replicated before the collective timeout")
+        run.raise_if_failed()
+        if run.durable:
+            self.wait_committed(max(run.durable))
 
     def wait_committed(self, step: int) -> None:
         """Blocks until the coordinator has committed `step` (or newer) in this generation."""
@@ -155,6 +170,8 @@ class _Run:
         self.ctx = engine.ctx
         self.copied = threading.Event()
         self.copied.set()
+        self.idle = threading.Event()  # no snapshot queued or in flight
+        self.idle.set()
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -184,6 +201,7 @@ class _Run:
                     continue
                 if job is not None:  # None: the wake-up stop() sends
                     self._snapshot(job, store, senders)
+                    self.idle.set()
         except InterruptedError:
             pass
         except BaseException as error:  # latched; the training thread raises it at the next step boundary
@@ -192,6 +210,7 @@ class _Run:
                 self.ctx.events.emit("snapshot_failed", error=f"{type(error).__name__}: {error}")
         finally:
             self.copied.set()
+            self.idle.set()
             senders.clear()  # closing the pair groups tells the holders this stream is over
 
     def _snapshot(self, job: _Job, store: object, senders: dict[str, ReplicaSender]) -> None:

@@ -1,0 +1,45 @@
+"""Hangs: a rank stopped (SIGSTOP) or spinning is found by its missing progress, fenced and swapped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deadpool.config import Fault
+
+from .conftest import SMALL, Job, run_job
+from .test_hot_swap import assert_same_training
+
+SPINNING = Path(__file__).with_name("scripts") / "spinning_train.py"
+
+
+def assert_hung_rank_swapped(job: Job, rank: int, how: str) -> None:
+    """The hung rank, and only it, is named, fenced and replaced; nobody timed out in a collective."""
+    [verdict] = job.named("hang_detected")
+    assert verdict["hung_rank"] == rank and f"rank {rank} {how}" in verdict["reason"]
+    [failure] = job.named("failure_detected")
+    assert failure["failed_rank"] == rank and failure["exit"] == "hung, and fenced (SIGKILL)"
+    [recovery] = job.summary["recoveries"]
+    assert recovery["fault"] == "hang" and recovery["failed_ranks"] == [rank]
+    assert recovery["cause"].startswith(f"rank {rank} (w{rank}) hung")
+    assert not any("Timed out" in e["cause"] for e in job.named("failure_seen"))  # released by the abort
+
+
+@pytest.mark.parametrize("phase", ["step_start", "forward", "backward", "after_optimizer", "snapshot_copy",
+                                   "replicate"])
+def test_sigstop_in_any_phase_is_fenced_and_swapped_bit_for_bit(tmp_path, reference, phase):
+    job = run_job(tmp_path, faults=(Fault(kind="hang", rank=2, step=6, phase=phase),))
+    assert_same_training(job, reference)
+    assert_hung_rank_swapped(job, 2, "silent (no heartbeat)")
+    [recovery] = job.summary["recoveries"]
+    assert recovery["kill_step"] == 6
+    [verdict] = job.named("hang_detected")
+    assert verdict["silent_s"] >= verdict["timeout_s"]  # never called hung before its timeout
+
+
+def test_a_rank_spinning_in_python_is_fenced_and_swapped_bit_for_bit(tmp_path, reference):
+    """The spinning rank keeps its heartbeat but makes no progress while its peers wait in the all-reduce."""
+    job = run_job(tmp_path, script=SPINNING, script_prefix=("w1", "6"), script_args=SMALL)
+    assert_same_training(job, reference)
+    assert_hung_rank_swapped(job, 1, "busy without progress")
