@@ -184,8 +184,9 @@ def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float) -> D
 
     A rank that waits in a collective is never the culprit while another rank is silent or stuck:
     it is the victim. If everyone waits and nobody is silent, no one is to blame here (the
-    collective timeout ends it).
+    collective timeout ends it). A rank that reported "finished" is never hung: it is exiting.
     """
+    pulses = {r: p for r, p in pulses.items() if p.phase != "finished"}  # done: its silence is its exit
     silent = {r for r, p in pulses.items() if now - p.beat_t >= timeout_s}
     waiting = {r for r, p in pulses.items() if p.waiting}
     stuck = {r for r, p in pulses.items()

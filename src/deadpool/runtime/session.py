@@ -40,6 +40,7 @@ from deadpool.runtime.watch import Progress, Watch
 
 CALIBRATION_STEPS = 5  # `auto` snapshots every step until this step, then picks an interval
 FAILURES = (GenerationAborted, CollectiveAborted, SwapAborted, TimeoutError)  # always a failure of some rank
+FINISHED = "finished"  # the last phase a rank reports: the coordinator expects silence after it
 ABORT_GRACE_S = 1.0  # an error of unknown origin counts as a failure if the generation is aborted this soon
 
 
@@ -265,6 +266,8 @@ class Session:
         digests = {**state_sha256(training), "step": str(self.step)}
         whole = hashlib.sha256("".join(digests[k] for k in sorted(digests)).encode()).hexdigest()
         self.ctx.events.emit("finished", step=self.step, state_sha256=whole, entry_sha256=digests)
+        if self.watch is not None:
+            self.watch.close(last_words=FINISHED)
         self.leave()
 
     # ---- failures ------------------------------------------------------------------------

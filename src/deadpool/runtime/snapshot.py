@@ -84,7 +84,7 @@ class SnapshotEngine:
             ready = torch.cuda.Event()
             ready.record()
         self._run.copied.clear()
-        self._run.idle.clear()
+        self._run.queued(+1)
         self._run.jobs.put(_Job(step, flat, Layout.of(flat.tensors), ready))
 
     def wait_copied(self) -> float:
@@ -172,6 +172,8 @@ class _Run:
         self.copied.set()
         self.idle = threading.Event()  # no snapshot queued or in flight
         self.idle.set()
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -180,6 +182,15 @@ class _Run:
         self.skipped: list[int] = []
         self.thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{inc.generation}", daemon=True)
         self.thread.start()
+
+    def queued(self, change: int) -> None:
+        """Counts snapshots handed over and not yet done with; `idle` is set exactly when none are."""
+        with self._pending_lock:
+            self._pending += change
+            if self._pending:
+                self.idle.clear()
+            else:
+                self.idle.set()
 
     def raise_if_failed(self) -> None:
         """Surfaces a latched engine error at a step boundary, never at a random point."""
@@ -201,7 +212,7 @@ class _Run:
                     continue
                 if job is not None:  # None: the wake-up stop() sends
                     self._snapshot(job, store, senders)
-                    self.idle.set()
+                    self.queued(-1)
         except InterruptedError:
             pass
         except BaseException as error:  # latched; the training thread raises it at the next step boundary

@@ -67,9 +67,14 @@ class Watch:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
-    def close(self) -> None:
+    def close(self, last_words: str | None = None) -> None:
+        """Ends the watch; `last_words` is a final phase published at once (e.g. "finished": the
+        coordinator then knows the silence that follows is not a hang)."""
         self._closed.set()
         self._thread.join(1.0)
+        if last_words is not None and self.progress is not None:
+            self.progress.mark(self.progress.step, last_words)
+            self.ctx.store.set(self.ctx.keys.heartbeat(self.ctx.proc), self.progress.pulse(self.inc.generation, -1))
 
     def _run(self) -> None:
         store = connect(self.ctx.config)  # its own client: never queued behind another thread's call

@@ -308,3 +308,8 @@ def test_nothing_committed_yet():
 def test_no_holdings_at_all():
     assert choose_restore_step(3, {}) == Decision(
         None, "no snapshot at or before committed step 3 is intact on every rank ()")
+
+
+def test_a_finished_rank_is_never_hung():
+    pulses = {0: pulse(2.0, 2.0, phase="finished"), 1: pulse(9.9, 2.0, waiting=True, phase="commit")}
+    assert not hang_verdict(10.0, pulses, 3.0).ok

@@ -1,0 +1,128 @@
+"""Nothing of generation g can write into g+1's keys, slots or groups: a stale thread and a stale process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from deadpool.config import Fault, JobConfig
+from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE, Keys, Plan
+from deadpool.events import EventLog, read_events
+from deadpool.runtime.context import Context, connect
+from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.snapshot import SnapshotEngine
+from deadpool.runtime.watch import Watch
+
+from .conftest import Job, run_job
+from .test_hot_swap import assert_same_training
+
+STALE = Path(__file__).with_name("scripts") / "stale_member.py"
+
+
+class Gate:
+    """The engine's fault hook (ctx.faults), used here to hold a snapshot thread in the middle of a copy."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def point(self, phase: str, step: int) -> None:
+        if step == 1:
+            self.entered.set()
+            self.release.wait(30)
+
+
+class Counter(torch.nn.Module):
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((1000,), value))
+
+
+def test_a_stale_snapshot_thread_cannot_touch_the_next_generations_slots_or_keys(tmp_path):
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), store_port=master.port, token="t")
+    gate, keys = Gate(), Keys("t")
+    ctx = Context("w0", "worker", config, connect(config), keys, EventLog(tmp_path / "events.jsonl", role="worker",
+                                                                         proc="w0"), gate)  # type: ignore[arg-type]
+    incs = [Incarnation.of(Plan(generation=g, ranks=("w0",), holders=((),), spares=()), "w0", keys) for g in (0, 1)]
+    for inc in incs:
+        master.set(inc.committed_key(), json.dumps({"step": None, "abandoned": []}))
+        master.set(inc.durable_key(), "none yet")
+    engine = SnapshotEngine(ctx, torch.device("cpu"))
+    watches = [Watch(ctx, inc, None) for inc in incs]
+    engine.start(incs[0], watches[0])
+    engine.capture(1, {"model": Counter(1.0)})
+    assert gate.entered.wait(10)
+    stale = engine._run
+    engine.stop(timeout_s=0.2)  # gives up on the thread held in its copy: abandoned
+    assert stale is not None and stale.thread.is_alive()
+    [abandoned] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "snapshot_thread_abandoned"]
+    assert abandoned["gen"] == 0
+
+    engine.start(incs[1], watches[1])
+    engine.capture(2, {"model": Counter(2.0)})
+    engine.wait_copied()
+    deadline = time.monotonic() + 10
+    while master.get(incs[1].durable_key()) == b"none yet" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fresh_report = master.get(incs[1].durable_key())
+    slots_before = [(s.step, bytes(s.data.numpy())) for s in engine.slots]
+
+    gate.release.set()  # the stale thread wakes up and finishes its snapshot of step 1
+    stale.thread.join(10)
+    assert not stale.thread.is_alive()
+    assert [(s.step, bytes(s.data.numpy())) for s in engine.slots] == slots_before  # no slot of g1 written
+    assert 1 not in [s.step for s in engine.slots]
+    assert master.get(incs[1].durable_key()) == fresh_report == b'{"steps": [2], "skipped": []}'
+    assert master.get(incs[0].durable_key()) != b"none yet"  # it wrote, but only under its own generation
+    engine.stop()
+    for watch in watches:
+        watch.close()
+
+
+def test_a_stale_process_woken_after_its_replacement_is_refused_everywhere(tmp_path):
+    """w1's twin holds generation 0's incarnation, sleeps (SIGSTOP) through w1's replacement, and is woken
+    (SIGCONT) in generation 1: its writes land only under generation 0's keys, which nobody reads any more;
+    it cannot join a group or stream a replica; its recovery finds itself fenced out. The job is unaffected."""
+    reference = run_job(tmp_path / "reference", steps=120)  # long enough to outlast the stale process's tries
+    run_dir = tmp_path / "run"
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(
+        job=run_job(run_dir, steps=120, faults=(Fault(kind="kill", rank=1, step=6),))))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (run_dir / "config.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    env = {**os.environ, ENV_CONFIG: str(run_dir / "config.json"), ENV_PROC: "w1", ENV_ROLE: "worker"}
+    stale = subprocess.Popen([sys.executable, str(STALE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        assert stale.stdout is not None and stale.stdout.readline().strip() == "READY"
+        stale.send_signal(signal.SIGSTOP)
+        while time.monotonic() < deadline and not any(e["event"] == "swap_complete" for e in read_events(
+                run_dir / "events.jsonl")):
+            time.sleep(0.02)
+        stale.send_signal(signal.SIGCONT)
+        out, _ = stale.communicate(timeout=60)
+    finally:
+        stale.kill()
+        stale.wait(10)
+    thread.join(120)
+    job: Job = result["job"]
+    assert_same_training(job, reference)
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert lines["durable key"] == "g0/durable/1"
+    assert lines["rejoin"].startswith("refused (WorkerFailure) w1 was fenced out of generation 1")
+    # generation 0's group and replica stream are gone: their old peers refuse it, or never come
+    assert lines["join group"].startswith("refused (") and lines["replicate"].startswith("refused (")
+    assert not [e for e in job.events if e["proc"] == "w1" and e["t"] > job.named("swap_complete")[0]["t"]]
+    assert {e["gen"] for e in job.named("commit") if e["t"] > job.named("swap_complete")[0]["t"]} == {1}
