@@ -6,12 +6,13 @@ import argparse
 import json
 import random
 import sys
-from pathlib import Path
 
 from deadpool.config import Fault
 from deadpool.errors import ConfigError
 from deadpool.launcher.launch import launch
 from deadpool.launcher.options import EXAMPLE, default_out, job_config
+
+PHASES = ("detect", "decide", "report", "restore", "rebuild")
 
 
 def _banner(text: str) -> None:
@@ -20,8 +21,7 @@ def _banner(text: str) -> None:
 
 def _print_recoveries(summary: dict) -> None:
     for r in summary["recoveries"]:
-        phases = ", ".join(f"{name} {r[name + '_s']:.2f} s" for name in ("detect", "decide", "report", "restore", "rebuild")
-                           if r.get(name + "_s") is not None)
+        phases = ", ".join(f"{name} {r[name + '_s']:.2f} s" for name in PHASES if r.get(name + "_s") is not None)
         takers = ", ".join(f"{s} took rank {k}" for k, s in r["replaced"].items())
         print(f"recovery in generation {r['generation']}: {r['cause']}; {takers}\n"
               f"  restored step {r['restored_step']}, replayed {r['steps_replayed']} finished step(s); "

@@ -49,8 +49,8 @@ from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
 from deadpool.events import read_events
-from deadpool.launcher.options import EXAMPLE, default_out
 from deadpool.launcher.launch import launch
+from deadpool.launcher.options import EXAMPLE, default_out
 from deadpool.runtime.session import CALIBRATION_STEPS
 
 RUN_TIMEOUT_S = 120  # a torchrun run's start-up allowance; each step adds 30 s (the 50M preset takes seconds)
@@ -138,6 +138,7 @@ def parse_ranks(text: str) -> list[int]:
 def _example_module(name: str) -> ModuleType:
     """examples/gpt/{name}.py, imported under a name of its own (the example's are generic: data, model)."""
     spec = importlib.util.spec_from_file_location(f"deadpool_example_{name}", EXAMPLE.with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -267,6 +268,7 @@ def run_variant(variant: Variant, size: Size, ranks: int, steps: int, args: argp
     """Trains the example once under `variant`; returns its events (raises if the run failed)."""
     script_args = ("--steps", str(steps), *size.script_args())
     if variant.system == "deadpool":
+        assert variant.snapshot_every is not None
         config = JobConfig(script=str(EXAMPLE), script_args=(*script_args, "--log-every", "1000"), workers=ranks,
                            spares=args.spares, run_dir=str(run_dir), snapshot_every=variant.snapshot_every)
         code, summary = launch(config, echo=None)

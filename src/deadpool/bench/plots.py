@@ -110,8 +110,9 @@ def plot_recovery(out: Path, rows: list[dict[str, Any]], scale: list[dict[str, A
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(11, 1.6 + 0.8 * len(timelines)))
-    colors, palette = plt.get_cmap("tab10"), {}
-    for y, (system, phases) in enumerate(timelines.items()):
+    colors = plt.get_cmap("tab10")
+    palette: dict[str, Any] = {}
+    for y, phases in enumerate(timelines.values()):
         if not phases:
             ax.text(0, y, "  no recovery", va="center", fontsize=8)
         for label, start, end in phases:

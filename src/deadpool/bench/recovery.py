@@ -169,7 +169,8 @@ def compare(out: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
         else:
             print('torchft not installed: pip install -e ".[torchft]"', flush=True)
     references = {name: run(out / f"{prefix}-reference", None) for name, prefix, run in systems}
-    rows, timelines = [], {}
+    rows: list[dict[str, Any]] = []
+    timelines: dict[str, list] = {}
     for rep in range(args.reps):
         for kind in kinds:
             fault = Fault(kind=kind, rank=args.kill_rank, step=args.kill_step, phase="backward")
@@ -208,24 +209,23 @@ def table(rows: list[dict[str, Any]], hang_wait_s: float | None = None) -> str:
              f"{'steps lost':>10} {'samples lost':>12} {'bitwise':>8}"]
     systems = dict.fromkeys(r["system"] for r in rows)
     groups = [(s, f) for s in systems for f in dict.fromkeys(r["fault"] for r in rows if r["system"] == s)]
+    def stat(mine: list[dict[str, Any]], key: str) -> str:
+        values = [r[key] for r in mine if r[key] is not None]
+        if not values:
+            return "no recovery" + (f" within {hang_wait_s:g} s" if hang_wait_s is not None else "")
+        missed = len(mine) - len(values)
+        return (f"{statistics.median(values):.2f} s ({min(values):.2f}..{max(values):.2f})"
+                + (f", {missed} none" if missed else ""))
+
+    def distinct(mine: list[dict[str, Any]], key: str) -> str:
+        values = {r[key] for r in mine}
+        return "/".join([str(v) for v in sorted(values - {None})] + ["-"] * (None in values))
+
     for system, fault in groups:
         mine = [r for r in rows if r["system"] == system and r["fault"] == fault]
-
-        def stat(key: str) -> str:
-            values = [r[key] for r in mine if r[key] is not None]
-            if not values:
-                return "no recovery" + (f" within {hang_wait_s:g} s" if hang_wait_s is not None else "")
-            missed = len(mine) - len(values)
-            return (f"{statistics.median(values):.2f} s ({min(values):.2f}..{max(values):.2f})"
-                    + (f", {missed} none" if missed else ""))
-
-        def distinct(key: str) -> str:
-            values = {r[key] for r in mine}
-            return "/".join([str(v) for v in sorted(values - {None})] + ["-"] * (None in values))
-
-        lines.append(f"{system:>24} {fault:>5} {stat('fault_to_next_step_s'):>26} {stat('kill_to_frontier_s'):>26} "
-                     f"{distinct('steps_lost'):>10} {distinct('samples_lost'):>12} "
-                     f"{str(all(r['bitwise_equal'] for r in mine)):>8}")
+        lines.append(f"{system:>24} {fault:>5} {stat(mine, 'fault_to_next_step_s'):>26} "
+                     f"{stat(mine, 'kill_to_frontier_s'):>26} {distinct(mine, 'steps_lost'):>10} "
+                     f"{distinct(mine, 'samples_lost'):>12} {str(all(r['bitwise_equal'] for r in mine)):>8}")
     return "\n".join(lines)
 
 

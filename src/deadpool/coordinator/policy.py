@@ -97,7 +97,8 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
     """
     pool = [s for s in steady.spares if s not in lost]
     dead = [r for r, p in enumerate(steady.ranks) if p in lost]
-    ranks, sources, moves = list(steady.ranks), [None] * steady.world_size, []
+    ranks, moves = list(steady.ranks), []
+    sources: list[str | None] = [None] * steady.world_size
     for rank in dead:
         live = [h for h in steady.holders[rank] if h not in lost]
         who = f"{steady.ranks[rank]} (rank {rank})"
@@ -219,7 +220,8 @@ def choose_restore_step(committed: int | None, holdings: Mapping[int, list[int]]
     usable = sorted(s for s in common if s <= committed)
     if not usable:
         listing = ", ".join(f"rank {r}: {sorted(s)}" for r, s in sorted(holdings.items()))
-        return Decision(None, f"no snapshot at or before committed step {committed} is intact on every rank ({listing})")
+        return Decision(None, f"no snapshot at or before committed step {committed} is intact on every rank "
+                              f"({listing})")
     step = usable[-1]
     why = f"restore committed step {step}" if step == committed else (
         f"committed step {committed} is not intact everywhere; fall back to step {step}")

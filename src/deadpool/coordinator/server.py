@@ -22,9 +22,20 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.policy import (FAILURE, FINISHED, SCRIPT_ERROR, Durable, Pulse, abandoned_steps,
-                                         choose_restore_step, classify_exit, commit_step, hang_timeout, hang_verdict,
-                                         initial_plan, plan_after_failures)
+from deadpool.coordinator.policy import (
+    FINISHED,
+    SCRIPT_ERROR,
+    Durable,
+    Pulse,
+    abandoned_steps,
+    choose_restore_step,
+    classify_exit,
+    commit_step,
+    hang_timeout,
+    hang_verdict,
+    initial_plan,
+    plan_after_failures,
+)
 from deadpool.coordinator.protocol import Keys, Plan
 from deadpool.events import EventLog
 from deadpool.launcher.agent import Agent, Child
@@ -296,8 +307,9 @@ class Coordinator:
 
     def _script_error(self, child: Child, reason: str, report: dict[str, Any] | None) -> int:
         """A bug in the script: replaying it on a spare would raise it again, so the job stops here."""
-        where = (f"rank {report['rank']} ({child.name}) at step {report['step']}" if report and report["rank"] is not None
-                 else f"{child.name}")
+        where = child.name
+        if report and report["rank"] is not None:
+            where = f"rank {report['rank']} ({child.name}) at step {report['step']}"
         message = (f"error in the training script on {where}: {reason.removeprefix('the training script ')}. "
                    "This is a bug in the script, not a node failure, so no spare was used; the traceback is "
                    f"above (and in logs/{child.name}.log). Fix the script and run again.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 from deadpool.config import Fault
 from deadpool.coordinator.protocol import Keys
@@ -18,7 +19,7 @@ class FaultInjector:
     """Checks the fault plan at each hook point; the store makes each fault fire once even if the
     rank it targets is replayed by a spare."""
 
-    def __init__(self, faults: tuple[Fault, ...], store: object, keys: Keys, events: EventLog) -> None:
+    def __init__(self, faults: tuple[Fault, ...], store: Any, keys: Keys, events: EventLog) -> None:
         self.faults = faults
         self.store = store
         self.keys = keys

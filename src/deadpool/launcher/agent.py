@@ -58,6 +58,7 @@ class Agent:
         return child
 
     def _pump(self, child: Child) -> None:
+        assert child.popen.stdout is not None  # spawned with stdout=PIPE
         with open(self.log_dir / f"{child.name}.log", "w") as log:
             for line in child.popen.stdout:
                 log.write(line)

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     recovery.add_argument("--workers", type=int, default=4)
     recovery.add_argument("--steps", type=int, default=30)
     recovery.add_argument("--kill-rank", type=int, default=1)
-    recovery.add_argument("--kill-step", type=int, default=25, help="step in whose backward pass the rank is SIGKILLed or SIGSTOPped")
+    recovery.add_argument("--kill-step", type=int, default=25,
+                          help="step in whose backward pass the rank is SIGKILLed or SIGSTOPped")
     recovery.add_argument("--ckpt-every", type=int, default=20, help="torchrun baseline: DCP checkpoint interval")
     recovery.add_argument("--reps", type=int, default=3)
     recovery.add_argument("--no-scaling", action="store_true", help="skip recovery vs world size and state size")

@@ -27,8 +27,9 @@ def host_store(config: JobConfig) -> dist.TCPStore:
         return dist.TCPStore(config.store_host, config.store_port, is_master=True, wait_for_workers=False,
                              timeout=timedelta(seconds=config.connect_timeout_s))
     except Exception as error:  # torch raises DistNetworkError/RuntimeError with the socket's errno text
+        first = str(error).splitlines()[0]
         raise ConfigError(f"cannot host the control-plane store on {config.store_host}:{config.store_port} "
-                          f"({str(error).splitlines()[0]}); pick a free port with --master-port, or 0 for any") from None
+                          f"({first}); pick a free port with --master-port, or 0 for any") from None
 
 
 def launch(config: JobConfig, echo: TextIO | None = sys.stdout) -> tuple[int, dict]:

@@ -69,7 +69,7 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
                   backlog_policy=args.backlog_policy, settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
                   decision_timeout_s=args.decision_timeout, recovery_timeout_s=args.recovery_timeout,
                   collective_timeout_s=args.collective_timeout, faults=tuple(args.fault if faults is None else faults))
-    return JobConfig(**{**fields, **overrides})  # type: ignore[arg-type]
+    return JobConfig(**{**fields, **overrides})
 
 
 def default_out(kind: str) -> Path:

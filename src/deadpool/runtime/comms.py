@@ -9,8 +9,8 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
 from contextlib import nullcontext
+from datetime import timedelta
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -77,8 +77,9 @@ def abort_communicator() -> None:
     """Called from the watch thread when the generation is aborted: on NCCL, aborting the communicator
     releases a training thread blocked in a kernel or a host sync. gloo cannot abort (its abort is a no-op);
     there `finish` releases the waiting thread instead."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        dist.group.WORLD.abort()  # type: ignore[union-attr]
+    group: Any = dist.group.WORLD
+    if dist.is_initialized() and dist.get_backend() == "nccl" and group is not None:
+        group.abort()
 
 
 def guard_exit() -> None:
@@ -128,7 +129,7 @@ def leave_group() -> None:
     """
     if not dist.is_initialized():
         return
-    group = dist.group.WORLD
+    group: Any = dist.group.WORLD
     if dist.get_backend(group) == "nccl":
         group.abort()  # NCCL can abort in-flight collectives; gloo cannot
     dist.destroy_process_group()

@@ -28,8 +28,17 @@ import torch
 import torch.distributed as dist
 
 from deadpool.errors import ConfigError, DeadPoolError, ProtocolError, SwapAborted, WorkerFailure
-from deadpool.runtime.comms import (CollectiveAborted, DataParallel, abort_communicator, finish, guard_exit,
-                                    is_communication_error, join_group, leave_group, pick_backend)
+from deadpool.runtime.comms import (
+    CollectiveAborted,
+    DataParallel,
+    abort_communicator,
+    finish,
+    guard_exit,
+    is_communication_error,
+    join_group,
+    leave_group,
+    pick_backend,
+)
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.recovery import recover
@@ -253,8 +262,9 @@ class Session:
         self.ctx.events.emit("snapshot_interval", every=self.every, cost_s=cost, step_s=step_s,
                              budget=self.ctx.config.snapshot_budget)
         if self.rank == 0:
-            print(f"[deadpool] snapshot-every auto: a snapshot costs {cost * 1e3:.0f} ms, a step {step_s * 1e3:.0f} ms; "
-                  f"snapshotting every {self.every} steps keeps it within {self.ctx.config.snapshot_budget:.1%}",
+            print(f"[deadpool] snapshot-every auto: a snapshot costs {cost * 1e3:.0f} ms, "
+                  f"a step {step_s * 1e3:.0f} ms; snapshotting every {self.every} steps keeps it within "
+                  f"{self.ctx.config.snapshot_budget:.1%}",
                   flush=True)
 
     def _finish(self) -> None:
@@ -359,7 +369,7 @@ class Session:
         crc = 0
         if self._model is not None:
             for p in self._model.module.parameters():
-                crc = zlib.crc32(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+                crc = zlib.crc32(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
         mine = torch.tensor([target, crc], dtype=torch.int64, device=self.device)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         with self.progress.waiting_for("agree"):

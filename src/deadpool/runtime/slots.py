@@ -13,7 +13,7 @@ from deadpool.runtime.state import Layout
 
 def checksum(meta: bytes, data: torch.Tensor) -> int:
     """CRC-32 over the metadata and the data bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(data.numpy(), zlib.crc32(meta))
+    return zlib.crc32(data.numpy().data, zlib.crc32(meta))
 
 
 @dataclass

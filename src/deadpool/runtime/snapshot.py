@@ -24,6 +24,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from deadpool.errors import ProtocolError, SwapAborted
 from deadpool.runtime.context import Context, connect
@@ -46,9 +47,9 @@ class _Job:
     ready: torch.cuda.Event | None  # on GPU: marks the training stream's position at capture
 
 
-def read_committed(store: object, key: str) -> tuple[int | None, list[int]]:
+def read_committed(store: dist.Store, key: str) -> tuple[int | None, list[int]]:
     """The coordinator's commit record of one generation: (newest committed step, abandoned steps)."""
-    record = json.loads(store.get(key))  # type: ignore[attr-defined]
+    record = json.loads(store.get(key))
     return record["step"], record["abandoned"]
 
 
@@ -224,7 +225,7 @@ class _Run:
             self.idle.set()
             senders.clear()  # closing the pair groups tells the holders this stream is over
 
-    def _snapshot(self, job: _Job, store: object, senders: dict[str, ReplicaSender]) -> None:
+    def _snapshot(self, job: _Job, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
         start = time.monotonic()
         slot = self._reserve(job, store)
         if slot is None:
@@ -249,7 +250,7 @@ class _Run:
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, copy_s=copied - start,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
-    def _reserve(self, job: _Job, store: object) -> Slot | None:
+    def _reserve(self, job: _Job, store: dist.Store) -> Slot | None:
         """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""
         skip = self.ctx.config.backlog_policy == "skip"
         deadline = time.monotonic() + self.ctx.config.collective_timeout_s
@@ -272,10 +273,10 @@ class _Run:
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
 
-    def _report(self, store: object) -> None:
+    def _report(self, store: dist.Store) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
         held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
-        store.set(self.inc.durable_key(), json.dumps({"steps": held, "skipped": self.skipped}))  # type: ignore[attr-defined]
+        store.set(self.inc.durable_key(), json.dumps({"steps": held, "skipped": self.skipped}))
 
     def _copy(self, job: _Job, buffer: torch.Tensor) -> None:
         """Copies every tensor into its place in the slot; on GPU through a side stream into pinned memory."""
@@ -291,13 +292,13 @@ class _Run:
         if engine._stream is not None:
             engine._stream.synchronize()
 
-    def _connect(self, holder: str, store: object, senders: dict[str, ReplicaSender]) -> None:
+    def _connect(self, holder: str, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:
             prefix = self.inc.pair_prefix(self.inc.my_rank(), holder)
             senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.inc.generation,
                                             self.ctx.config.collective_timeout_s)
 
-    def _replicate(self, slot: Slot, holder: str, store: object, senders: dict[str, ReplicaSender]) -> None:
+    def _replicate(self, slot: Slot, holder: str, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
         self._connect(holder, store, senders)
 
         def midway() -> None:

@@ -85,7 +85,8 @@ def flatten(tree: dict[str, Stateful]) -> Flat:
         if isinstance(value, dict):
             return {"d": [[walk(k, stable, path), walk(v, stable, f"{path}.{k}")] for k, v in value.items()]}
         if isinstance(value, (list, tuple)):
-            return {"l" if isinstance(value, list) else "t": [walk(v, stable, f"{path}[{i}]") for i, v in enumerate(value)]}
+            items = [walk(v, stable, f"{path}[{i}]") for i, v in enumerate(value)]
+            return {"l" if isinstance(value, list) else "t": items}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, (np.integer, np.floating)):

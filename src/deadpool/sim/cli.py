@@ -8,12 +8,23 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
-from deadpool.sim.model import (DAY, HOUR, STRATEGIES, ClusterParams, analytic_goodput, erlang_b, simulate,
-                                spare_load, spares_needed, stalls_per_day)
+from deadpool.sim.model import (
+    DAY,
+    HOUR,
+    STRATEGIES,
+    ClusterParams,
+    analytic_goodput,
+    erlang_b,
+    simulate,
+    spare_load,
+    spares_needed,
+    stalls_per_day,
+)
 
 DEFAULT_GPUS = (1024, 4096, 16384, 65536, 100000)
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ClusterParams)}
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ClusterParams)}
 # flag -> ClusterParams field; the defaults live in ClusterParams alone
 _FLAGS = {"--gpus-per-node": ("gpus_per_node", int, "GPUs per node (a failure takes out a node)"),
           "--mttf-hours-at-1024": ("mttf_hours_at_1024", float, "job MTTF of 1,024 GPUs; it scales as 1024/gpus"),
@@ -70,8 +81,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def swap_phases(args: argparse.Namespace) -> dict[str, float]:
     """The hot-swap phase costs: a flag given beats a measured run (--phases-from) beats the model's default."""
     measured = measured_phases(args.phases_from) if args.phases_from else {}
-    return {f"{phase}_s": next(v for v in (getattr(args, f"{phase}_s"), measured.get(phase), _DEFAULTS[f"{phase}_s"])
-                               if v is not None) for phase in PHASES}
+    return {f"{phase}_s": float(next(v for v in (getattr(args, f"{phase}_s"), measured.get(phase),
+                                                 _DEFAULTS[f"{phase}_s"]) if v is not None)) for phase in PHASES}
 
 
 def _evaluate(args: argparse.Namespace, gpus: int, phases: dict[str, float]) -> dict:

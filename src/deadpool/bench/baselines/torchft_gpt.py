@@ -68,8 +68,16 @@ import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 
 import deadpool
-from deadpool.bench.baselines.torchrun_dcp import (Events, add_example_arguments, add_fault_arguments, inject_fault,
-                                                   planned_fault, rng_state, set_rng_state, state_sha256)
+from deadpool.bench.baselines.torchrun_dcp import (
+    Events,
+    add_example_arguments,
+    add_fault_arguments,
+    inject_fault,
+    planned_fault,
+    rng_state,
+    set_rng_state,
+    state_sha256,
+)
 
 sys.path.insert(0, str(Path(deadpool.__file__).resolve().parents[2] / "examples" / "gpt"))
 from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E402

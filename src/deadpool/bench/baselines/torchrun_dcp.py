@@ -55,7 +55,6 @@ import shutil
 import signal
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +273,7 @@ class AsyncCheckpointer:
     def __init__(self, ckpt_dir: Path, rank: int, world_size: int, events: Events) -> None:
         self.ckpt_dir, self.rank, self.world_size, self.events = ckpt_dir, rank, world_size, events
         self.group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
-        self.pending: tuple[int, Future] | None = None
+        self.pending: tuple[int, Any] | None = None  # (step, dcp.async_save's future)
 
     def start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               sampler: BatchSampler) -> float:
@@ -282,7 +281,7 @@ class AsyncCheckpointer:
         waited = self.wait(SAVE_TIMEOUT_S)
         tmp = _begin_checkpoint(self.ckpt_dir, step, sampler, self.rank, self.world_size)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+        future: Any = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
                                 process_group=self.group)
         future.add_done_callback(lambda f: self.events.emit("checkpoint_written", step=step,
                                                             ok=f.exception() is None))
@@ -304,6 +303,7 @@ class AsyncCheckpointer:
         return time.monotonic() - start
 
     def _complete(self) -> None:
+        assert self.pending is not None
         step, future = self.pending
         self.pending = None
         future.result()  # a failed save raises here, and is never renamed
@@ -320,7 +320,7 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     if own["world_size"] != world_size:
         raise RuntimeError(f"{directory} was written by {own['world_size']} ranks, this job has {world_size}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sampler.load_state_dict(own["sampler"])
