@@ -14,10 +14,10 @@ from .test_hot_swap import assert_same_training
 SPINNING = Path(__file__).with_name("scripts") / "spinning_train.py"
 
 
-def assert_hung_rank_swapped(job: Job, rank: int, how: str) -> None:
+def assert_hung_rank_swapped(job: Job, rank: int) -> None:
     """The hung rank, and only it, is named, fenced and replaced; nobody timed out in a collective."""
     [verdict] = job.named("hang_detected")
-    assert verdict["hung_rank"] == rank and f"rank {rank} {how}" in verdict["reason"]
+    assert verdict["hung_rank"] == rank and verdict["reason"].startswith(f"rank {rank} ")
     [failure] = job.named("failure_detected")
     assert failure["failed_rank"] == rank and failure["exit"] == "hung, and fenced (SIGKILL)"
     [recovery] = job.summary["recoveries"]
@@ -31,7 +31,7 @@ def assert_hung_rank_swapped(job: Job, rank: int, how: str) -> None:
 def test_sigstop_in_any_phase_is_fenced_and_swapped_bit_for_bit(tmp_path, reference, phase):
     job = run_job(tmp_path, faults=(Fault(kind="hang", rank=2, step=6, phase=phase),))
     assert_same_training(job, reference)
-    assert_hung_rank_swapped(job, 2, "silent (no heartbeat)")
+    assert_hung_rank_swapped(job, 2)  # silent, or without progress first if its phase began earlier
     [recovery] = job.summary["recoveries"]
     assert recovery["kill_step"] == 6
     [verdict] = job.named("hang_detected")
@@ -42,4 +42,6 @@ def test_a_rank_spinning_in_python_is_fenced_and_swapped_bit_for_bit(tmp_path, r
     """The spinning rank keeps its heartbeat but makes no progress while its peers wait in the all-reduce."""
     job = run_job(tmp_path, script=SPINNING, script_prefix=("w1", "6"), script_args=SMALL)
     assert_same_training(job, reference)
-    assert_hung_rank_swapped(job, 1, "busy without progress")
+    assert_hung_rank_swapped(job, 1)
+    [verdict] = job.named("hang_detected")
+    assert "made no progress" in verdict["reason"] and "silent" not in verdict["reason"]  # it kept beating

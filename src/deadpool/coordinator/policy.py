@@ -198,9 +198,11 @@ def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float) -> D
     parts = []
     for r in sorted(hung):
         p = pulses[r]
-        what = "silent (no heartbeat)" if r in silent else "busy without progress"
-        parts.append(f"rank {r} {what} for {now - (p.beat_t if r in silent else p.progress_t):.1f} s "
-                     f"in {p.phase} of step {p.step}")
+        if r in silent:
+            parts.append(f"rank {r} silent (no heartbeat) for {now - p.beat_t:.1f} s in {p.phase} of step {p.step}")
+        else:
+            parts.append(f"rank {r} made no progress for {now - p.progress_t:.1f} s in {p.phase} of step "
+                         f"{p.step} (last heartbeat {now - p.beat_t:.1f} s ago)")
     victims = sorted(waiting - hung)
     reason = "; ".join(parts) + (f" while rank(s) {victims} wait for it" if victims else "")
     return Decision(frozenset(hung), reason)

@@ -266,7 +266,8 @@ class Coordinator:
         gen, target = self.plan.generation, self.committed
         replaced = {r: p for r, p in enumerate(self.plan.ranks) if p != self.steady.ranks[r]}
         took = time.monotonic() - swap.detected_t
-        self.events.emit("swap_complete", restored_step=target, replaced=replaced, cause=swap.cause,
+        cause = swap.cause if len(swap.failed) < 2 else "; ".join(f"{f['who']} {f['exit']}" for f in swap.failed)
+        self.events.emit("swap_complete", restored_step=target, replaced=replaced, cause=cause,
                          failed=swap.failed, hang=swap.hang, detected_t=swap.detected_t, detect_to_resume_s=took)
         self._say(f"generation {gen} running: restored step {target}; "
                   + ", ".join(f"{s} is now rank {r}" for r, s in replaced.items())
