@@ -64,7 +64,7 @@ class JobConfig:
     snapshot_budget: float = 0.01
     backlog_policy: str = "wait"
     poll_interval_s: float = 0.02
-    settle_s: float = 0.1
+    settle_s: float = 0.05
     hang_timeout_s: float | None = None
     decision_timeout_s: float = 10.0
     recovery_timeout_s: float = 30.0

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from examples.gpt.data import BatchSampler, CharTokenizer, load_text, make_batch
 from examples.gpt.model import GPT, GPTConfig
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -65,6 +67,36 @@ def run_job(run_dir: Path, *, steps: int = 10, workers: int = 4, spares: int = 1
     code, summary = launch(job_config, echo=None)
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     return Job(run_dir, code, summary)
+
+
+class Background:
+    """A job running in a thread, so that a test can act on it (send signals) while it runs."""
+
+    def __init__(self, run_dir: Path, **job: Any) -> None:
+        self.run_dir, self.result = run_dir, {}
+        self.thread = threading.Thread(target=lambda: self.result.update(job=run_job(run_dir, **job)))
+        self.thread.start()
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "events.jsonl"
+        return list(read_events(path)) if path.exists() else []
+
+    def wait_for(self, event: Callable[[dict[str, Any]], bool], timeout_s: float = 60) -> list[dict[str, Any]]:
+        """Polls the job's events until one satisfies `event`; returns them all (fails at the deadline)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and "job" not in self.result:
+            events = self.events()
+            if any(event(e) for e in events):
+                return events
+            time.sleep(0.01)
+        raise AssertionError(f"the job never logged the awaited event within {timeout_s} s")
+
+    def pid(self, proc: str) -> int:
+        return next(e["pid"] for e in self.events() if e["event"] == "process_spawned" and e["proc"] == proc)
+
+    def join(self, timeout_s: float = 120) -> Job:
+        self.thread.join(timeout_s)
+        return self.result["job"]
 
 
 @pytest.fixture(scope="session")

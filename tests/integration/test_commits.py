@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
-from deadpool.events import read_events
-
-from .conftest import Job, run_job
+from .conftest import Background
 
 
 def test_commits_keep_flowing_under_skip_when_replication_is_held_back(tmp_path, reference):
     """The test stops the spare (the replicas' holder) for a while: ranks skip the snapshots they have no
     free slot for, not necessarily the same ones, and commits resume up to the last step once it is back."""
-    run_dir = tmp_path / "run"
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(job=run_job(run_dir, steps=16, backlog_policy="skip")))
-    thread.start()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and "job" not in result:
-        events = list(read_events(run_dir / "events.jsonl")) if (run_dir / "events.jsonl").exists() else []
-        if any(e["event"] == "step" and e["step"] >= 4 for e in events):
-            spare = next(e["pid"] for e in events if e["event"] == "process_spawned" and e["proc"] == "s0")
-            os.kill(spare, signal.SIGSTOP)
-            time.sleep(1.5)
-            os.kill(spare, signal.SIGCONT)
-            break
-        time.sleep(0.02)
-    thread.join(120)
-    job: Job = result["job"]
+    background = Background(tmp_path / "run", steps=16, backlog_policy="skip")
+    background.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
+    os.kill(background.pid("s0"), signal.SIGSTOP)
+    time.sleep(1.5)
+    os.kill(background.pid("s0"), signal.SIGCONT)
+    job = background.join()
     assert job.code == 0, job.summary["error"]
     assert job.named("snapshot_skipped"), "holding the spare back made no rank skip a snapshot"
     commits = [e["step"] for e in job.named("commit")]

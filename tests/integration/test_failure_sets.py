@@ -5,15 +5,12 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import threading
-import time
 
 import pytest
 
 from deadpool.config import Fault
-from deadpool.events import read_events
 
-from .conftest import Job, run_job
+from .conftest import Background, Job, run_job
 from .test_hot_swap import assert_same_training
 
 
@@ -61,21 +58,11 @@ def test_a_spare_without_replicas_dying_during_a_recovery(tmp_path):
     """w0 dies; while the coordinator gathers the failure set, s2 (which holds nothing) dies too. The
     recovery plans both, completes, and the run is still the failure-free one."""
     reference = run_job(tmp_path / "reference", workers=2, spares=3, settle_s=2.0)
-    run_dir = tmp_path / "run"
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(job=run_job(
-        run_dir, workers=2, spares=3, settle_s=2.0, faults=(Fault(kind="kill", rank=0, step=5),))))
-    thread.start()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and "job" not in result:
-        events = list(read_events(run_dir / "events.jsonl")) if (run_dir / "events.jsonl").exists() else []
-        if any(e["event"] == "failure_detected" for e in events):
-            os.kill(next(e["pid"] for e in events if e["event"] == "process_spawned" and e["proc"] == "s2"),
-                    signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    thread.join(120)
-    job: Job = result["job"]
+    background = Background(tmp_path / "run", workers=2, spares=3, settle_s=2.0,
+                            faults=(Fault(kind="kill", rank=0, step=5),))
+    background.wait_for(lambda e: e["event"] == "failure_detected")
+    os.kill(background.pid("s2"), signal.SIGKILL)
+    job = background.join()
     assert_same_training(job, reference)
     lost = {e["proc"]: e for e in job.named("failure_detected")}
     assert set(lost) == {"w0", "s2"} and lost["s2"]["during"] == "settling"

@@ -23,7 +23,7 @@ from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.snapshot import SnapshotEngine
 from deadpool.runtime.watch import Watch
 
-from .conftest import Job, run_job
+from .conftest import Background, run_job
 from .test_hot_swap import assert_same_training
 
 STALE = Path(__file__).with_name("scripts") / "stale_member.py"
@@ -94,30 +94,21 @@ def test_a_stale_process_woken_after_its_replacement_is_refused_everywhere(tmp_p
     (SIGCONT) in generation 1: its writes land only under generation 0's keys, which nobody reads any more;
     it cannot join a group or stream a replica; its recovery finds itself fenced out. The job is unaffected."""
     reference = run_job(tmp_path / "reference", steps=120)  # long enough to outlast the stale process's tries
-    run_dir = tmp_path / "run"
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(
-        job=run_job(run_dir, steps=120, faults=(Fault(kind="kill", rank=1, step=6),))))
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not (run_dir / "config.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    env = {**os.environ, ENV_CONFIG: str(run_dir / "config.json"), ENV_PROC: "w1", ENV_ROLE: "worker"}
+    background = Background(tmp_path / "run", steps=120, faults=(Fault(kind="kill", rank=1, step=6),))
+    background.wait_for(lambda e: e["event"] == "plan_published")  # the run directory and its config exist
+    env = {**os.environ, ENV_CONFIG: str(background.run_dir / "config.json"), ENV_PROC: "w1", ENV_ROLE: "worker"}
     stale = subprocess.Popen([sys.executable, str(STALE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     try:
         assert stale.stdout is not None and stale.stdout.readline().strip() == "READY"
         stale.send_signal(signal.SIGSTOP)
-        while time.monotonic() < deadline and not any(e["event"] == "swap_complete" for e in read_events(
-                run_dir / "events.jsonl")):
-            time.sleep(0.02)
+        background.wait_for(lambda e: e["event"] == "swap_complete")
         stale.send_signal(signal.SIGCONT)
         out, _ = stale.communicate(timeout=60)
     finally:
         stale.kill()
         stale.wait(10)
-    thread.join(120)
-    job: Job = result["job"]
+    job = background.join()
     assert_same_training(job, reference)
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     assert lines["durable key"] == "g0/durable/1"

@@ -6,8 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -15,10 +13,9 @@ import torch.distributed as dist
 
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
-from deadpool.events import read_events
 from deadpool.launcher.launch import launch
 
-from .conftest import TRAIN, Job, run_job
+from .conftest import TRAIN, Background
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):
@@ -54,20 +51,10 @@ def test_every_process_start_is_recorded(tmp_path, reference):
 def test_a_spare_killed_while_holding_replicas_loses_nothing(tmp_path, reference):
     """SIGKILL the only spare mid-run: the coordinator re-places replicas (nowhere: no spare left),
     the workers roll back to the last commit, and the run is still bit-for-bit the reference."""
-    run_dir = tmp_path / "run"
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(job=run_job(run_dir)))
-    thread.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until training is under way, then kill the spare
-        events = list(read_events(run_dir / "events.jsonl")) if (run_dir / "events.jsonl").exists() else []
-        if any(e["event"] == "step" and e["step"] >= 4 for e in events):
-            spare = next(e["pid"] for e in events if e["event"] == "process_spawned" and e["proc"] == "s0")
-            os.kill(spare, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    thread.join(120)
-    job: Job = result["job"]
+    job = Background(tmp_path / "run")
+    job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)  # training is under way: kill the spare
+    os.kill(job.pid("s0"), signal.SIGKILL)
+    job = job.join()
     assert job.code == 0, job.summary["error"]
     [lost] = job.named("failure_detected")
     assert lost["proc"] == "s0" and lost["exit"] == "killed by SIGKILL"

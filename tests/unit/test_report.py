@@ -6,8 +6,6 @@ Times are multiples of 1/8 so that every difference below is exact in floating p
 import hashlib
 import json
 
-import pytest
-
 from deadpool.report import final_losses, summarize
 
 

@@ -49,7 +49,7 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--master-addr", default="127.0.0.1", help="address the coordinator's store listens on")
     p.add_argument("--master-port", type=int, default=0, help="port of the coordinator's store (0 = any free)")
-    p.add_argument("--settle-window", type=float, default=0.1,
+    p.add_argument("--settle-window", type=float, default=0.05,
                    help="s: failures this close to the first are recovered together, in one new generation")
     p.add_argument("--hang-timeout", type=float, default=None,
                    help="s without progress while peers wait before a rank is fenced (default: adapts to the "

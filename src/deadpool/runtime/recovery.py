@@ -16,7 +16,6 @@ import enum
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from deadpool.errors import SwapAborted, WorkerFailure
@@ -56,80 +55,87 @@ class Member(Protocol):
         """Joins inc's group, checks every rank restored `step`, restarts snapshots; raises if that fails."""
 
 
-@dataclass
-class Timings:
-    """Where a recovery's time went, for the `recovered` event."""
+class Recovery:
+    """One process's way from a failed generation to a running one. `run` may stop before a given state
+    and be called again to go on: a spare that is given a rank hands over, receives and reports its
+    replicas at once, while the script builds its model, and goes on from AWAIT_TARGET in session.run."""
 
-    started: float = field(default_factory=time.monotonic)
-    marks: dict[str, float] = field(default_factory=dict)
+    def __init__(self, ctx: Context, member: Member, failed_gen: int, failed_step: int | None,
+                 inc: Incarnation | None = None) -> None:
+        self.ctx, self.member, self.failed_step = ctx, member, failed_step
+        self.state = State.AWAIT_PLAN if inc is None else State.TRANSFER
+        self.inc = inc
+        self.gen = failed_gen if inc is None else inc.generation
+        self.deadline = time.monotonic() + ctx.config.collective_timeout_s
+        self.target = -1
+        self.started = time.monotonic()
+        self.marks: dict[str, float] = {}
 
-    def mark(self, name: str) -> None:
-        self.marks[name] = time.monotonic()
+    def run(self, until: State | None = None) -> tuple[Incarnation, int] | None:
+        """Runs the states up to `until` (None if it stopped there), or to a running generation: returns it
+        and the restored step. SwapAborted if the job ends, WorkerFailure if this process was fenced out."""
+        while self.state is not until:
+            done = self._advance()
+            if done is not None:
+                return done
+        return None
 
-
-def recover(ctx: Context, member: Member, failed_gen: int, failed_step: int,
-            inc: Incarnation | None = None) -> tuple[Incarnation, int]:
-    """Runs the state machine from the failure of `failed_gen` in `failed_step` (or, for a spare already
-    named by `inc`, from its TRANSFER) to a running generation; returns it and the restored step.
-    SwapAborted if the job ends."""
-    state = State.AWAIT_PLAN if inc is None else State.TRANSFER
-    gen = failed_gen if inc is None else inc.generation
-    deadline = time.monotonic() + ctx.config.collective_timeout_s
-    target = -1
-    timings = Timings()
-    while True:
-        if state is State.AWAIT_PLAN:
+    def _advance(self) -> tuple[Incarnation, int] | None:
+        ctx, member = self.ctx, self.member
+        if self.state is State.AWAIT_PLAN:
             member.leave()
-            gen = ctx.wait_generation_after(gen, deadline)
-            inc = Incarnation.of(ctx.plan(gen), ctx.proc, ctx.keys)
-            if inc.rank is None:
-                raise WorkerFailure(f"{ctx.proc} was fenced out of generation {gen} ({inc.plan.reason}); "
+            self.gen = ctx.wait_generation_after(self.gen, self.deadline)
+            self.inc = Incarnation.of(ctx.plan(self.gen), ctx.proc, ctx.keys)
+            if self.inc.rank is None:
+                raise WorkerFailure(f"{ctx.proc} was fenced out of generation {self.gen} ({self.inc.plan.reason}); "
                                     "it must not rejoin")
-            ctx.events.generation, ctx.events.rank, ctx.faults.rank = gen, inc.rank, inc.rank
-            state = State.TRANSFER
-        elif state is State.TRANSFER:
-            assert inc is not None
-            ctx.events.generation, ctx.events.rank, ctx.faults.rank = gen, inc.rank, inc.rank
-            state = State.REPORT if _transfer(ctx, member, inc) else State.AWAIT_PLAN
-        elif state is State.REPORT:
-            assert inc is not None
-            ctx.faults.point("recovery", failed_step)
+            self.state = State.TRANSFER
+            return None
+        inc = self.inc
+        assert inc is not None
+        if self.state is State.TRANSFER:
+            ctx.events.generation, ctx.events.rank, ctx.faults.rank = self.gen, inc.rank, inc.rank
+            self.state = State.REPORT if _transfer(ctx, member, inc) else State.AWAIT_PLAN
+        elif self.state is State.REPORT:
+            if self.failed_step is not None:
+                ctx.faults.point("recovery", self.failed_step)
             steps = member.holdings()
             ctx.store.set(inc.ready_key(), json.dumps(steps))
             ctx.events.emit("recovery_ready", holds=steps, plan_reason=inc.plan.reason)
-            deadline = time.monotonic() + ctx.config.recovery_timeout_s
-            state = State.AWAIT_TARGET
-        elif state is State.AWAIT_TARGET:
-            assert inc is not None
-            got = ctx.wait_key(inc.target_key(), deadline, give_up=(inc.abort_key(), ctx.keys.shutdown()))
+            self.deadline = time.monotonic() + ctx.config.recovery_timeout_s
+            self.state = State.AWAIT_TARGET
+        elif self.state is State.AWAIT_TARGET:
+            got = ctx.wait_key(inc.target_key(), self.deadline, give_up=(inc.abort_key(), ctx.keys.shutdown()))
             if got == ctx.keys.shutdown():
                 raise SwapAborted("the coordinator gave up on this recovery and is shutting the job down")
             if got == inc.abort_key():
-                deadline = time.monotonic() + ctx.config.collective_timeout_s
-                state = State.AWAIT_PLAN
-                continue
-            target = int(ctx.store.get(inc.target_key()))
-            timings.mark("agreed")
-            state = State.RESTORE
-        elif state is State.RESTORE:
-            member.restore(target)
-            timings.mark("restored")
-            state = State.REJOIN
-        elif state is State.REJOIN:
-            assert inc is not None
+                self._again()
+                return None
+            self.target = int(ctx.store.get(inc.target_key()))
+            self.marks["agreed"] = time.monotonic()
+            self.state = State.RESTORE
+        elif self.state is State.RESTORE:
+            member.restore(self.target)
+            self.marks["restored"] = time.monotonic()
+            self.state = State.REJOIN
+        elif self.state is State.REJOIN:
             try:
-                member.rejoin(inc, target)
+                member.rejoin(inc, self.target)
             except Exception as error:  # a failure while rejoining: the coordinator publishes the next generation
                 ctx.events.emit("rejoin_failed", error=f"{type(error).__name__}: {str(error).splitlines()[0]}")
-                deadline = time.monotonic() + ctx.config.collective_timeout_s
-                state = State.AWAIT_PLAN
-                continue
-            timings.mark("rejoined")
-            t = timings.marks
-            ctx.events.emit("recovered", restored_step=target, negotiate_s=t["agreed"] - timings.started,
-                            restore_s=t["restored"] - t["agreed"], rebuild_s=t["rejoined"] - t["restored"],
-                            total_s=t["rejoined"] - timings.started)
-            return inc, target
+                self._again()
+                return None
+            t, now = self.marks, time.monotonic()
+            ctx.events.emit("recovered", restored_step=self.target, negotiate_s=t["agreed"] - self.started,
+                            restore_s=t["restored"] - t["agreed"], rebuild_s=now - t["restored"],
+                            total_s=now - self.started)
+            return inc, self.target
+        return None
+
+    def _again(self) -> None:
+        """Generation self.gen failed too: wait for the one after it."""
+        self.deadline = time.monotonic() + self.ctx.config.collective_timeout_s
+        self.state = State.AWAIT_PLAN
 
 
 def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:

@@ -41,7 +41,7 @@ from deadpool.runtime.comms import (
 )
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation
-from deadpool.runtime.recovery import recover
+from deadpool.runtime.recovery import Recovery, State
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.snapshot import GenerationAborted, SnapshotEngine
 from deadpool.runtime.state import Stateful, load_into, state_sha256, unflatten
@@ -80,7 +80,12 @@ def init() -> "Session":
         from deadpool.spare import Standby
 
         inc, held = Standby(ctx).run()
-        return Session(ctx, inc, held=held)  # run() recovers it into its rank
+        session = Session(ctx, inc, held=held)
+        # Hand over, receive and report this rank's replicas now, while the script builds its model;
+        # session.run() goes on from there with the same state machine as the survivors.
+        session._recovery = Recovery(ctx, session, inc.generation - 1, failed_step=None, inc=inc)
+        session._recovery.run(until=State.AWAIT_TARGET)
+        return session
     ctx.wait_key(ctx.keys.plan(0), time.monotonic() + ctx.config.connect_timeout_s)
     session = Session(ctx, Incarnation.of(ctx.plan(0), ctx.proc, ctx.keys))
     session._enter()  # the script may use torch.distributed from here on
@@ -106,6 +111,7 @@ class Session:
         self.engine = SnapshotEngine(ctx, self.device)
         self.watch: Watch | None = None
         self._held = held  # a spare's replicas, until it has taken its rank
+        self._recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self._tree: dict[str, Stateful] = {}
         self._model: DataParallel | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -314,12 +320,15 @@ class Session:
         self._frontier = max(self._frontier, self.step)
         self.ctx.events.emit("failure_seen", cause=cause, step=self.step)
         self.leave()
-        pending = self.inc if self._held is not None else None
+        recovery = self._recovery or Recovery(self.ctx, self, self.inc.generation, self.step + 1)
+        activated, self._recovery = self._recovery is not None, None
         try:
-            self.inc, target = recover(self.ctx, self, self.inc.generation, self.step + 1, inc=pending)
+            done = recovery.run()
         except SwapAborted as error:
             raise WorkerFailure(f"{self.ctx.proc} cannot continue after '{cause}': {error}") from None
-        if pending is not None:
+        assert done is not None
+        self.inc, target = done
+        if activated:
             self.ctx.events.emit("spare_activated", restored_step=target)
         print(f"[deadpool] rank {self.rank}: generation {self.generation}, rolled back to step {target} "
               f"(was at {self._frontier}) in {time.monotonic() - started:.2f} s", flush=True)

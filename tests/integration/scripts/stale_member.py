@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
-from deadpool.runtime.recovery import recover
+from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.replica import ReplicaSender
 from deadpool.runtime.slots import Slot, checksum
 
@@ -56,6 +56,6 @@ class Nothing:
     def leave(self) -> None: ...
 
 
-attempt("rejoin", lambda: recover(ctx, Nothing(), inc.generation, 5))  # type: ignore[arg-type]
+attempt("rejoin", lambda: Recovery(ctx, Nothing(), inc.generation, 5).run())  # type: ignore[arg-type]
 attempt("join group", join)
 attempt("replicate", replicate)

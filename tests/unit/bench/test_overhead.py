@@ -9,8 +9,20 @@ import pytest
 import torch
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
-from deadpool.bench.overhead import (PROCESS_BYTES, SIZES, VARIANTS, deadpool_memory, measure, parameter_counts,
-                                     parse_ranks, parse_sizes, parse_variants, run_steps, summarize, table)
+from deadpool.bench.overhead import (
+    PROCESS_BYTES,
+    SIZES,
+    VARIANTS,
+    deadpool_memory,
+    measure,
+    parameter_counts,
+    parse_ranks,
+    parse_sizes,
+    parse_variants,
+    run_steps,
+    summarize,
+    table,
+)
 from deadpool.bench.plots import plot_overhead
 from deadpool.errors import ConfigError
 

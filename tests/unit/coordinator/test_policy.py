@@ -2,10 +2,27 @@
 
 import pytest
 
-from deadpool.coordinator.policy import (FAILURE, FINISHED, HANG_FLOOR_S, HANG_STEP_MULTIPLE, HANG_UNTIMED_S,
-                                         SCRIPT_ERROR, Decision, Durable, Pulse, abandoned_steps, choose_restore_step,
-                                         classify_exit, commit_step, describe_exit, hang_timeout, hang_verdict,
-                                         initial_plan, place_replicas, plan_after_failures)
+from deadpool.coordinator.policy import (
+    FAILURE,
+    FINISHED,
+    HANG_FLOOR_S,
+    HANG_STEP_MULTIPLE,
+    HANG_UNTIMED_S,
+    SCRIPT_ERROR,
+    Decision,
+    Durable,
+    Pulse,
+    abandoned_steps,
+    choose_restore_step,
+    classify_exit,
+    commit_step,
+    describe_exit,
+    hang_timeout,
+    hang_verdict,
+    initial_plan,
+    place_replicas,
+    plan_after_failures,
+)
 from deadpool.coordinator.protocol import Plan
 
 WORKERS = ("w0", "w1", "w2", "w3")

@@ -11,7 +11,6 @@ from deadpool.errors import ConfigError
 from deadpool.launcher.cli import build_parser, ranks_list
 from deadpool.launcher.options import job_config, parse_faults, snapshot_every
 
-
 # ---- parse_faults ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, faults", [
@@ -77,7 +76,7 @@ def test_run_defaults():
     config = job_config(args, args.script, args.script_args, Path("/tmp/out"))
     assert config == JobConfig(script="train.py", script_args=(), workers=2, spares=0, run_dir="/tmp/out",
                                store_host="127.0.0.1", store_port=0, backend="auto", snapshot_every=1,
-                               snapshot_budget=0.01, backlog_policy="wait", settle_s=0.1, hang_timeout_s=None,
+                               snapshot_budget=0.01, backlog_policy="wait", settle_s=0.05, hang_timeout_s=None,
                                decision_timeout_s=10.0, recovery_timeout_s=30.0, collective_timeout_s=60.0, faults=())
     assert args.command == "run" and args.out is None
 

@@ -9,9 +9,18 @@ import pytest
 
 from deadpool.coordinator.policy import initial_plan, plan_after_failures
 from deadpool.sim import cli
-from deadpool.sim.model import (DAY, ClusterParams, analytic_goodput, checkpoint_restart_goodput, erlang_b,
-                                hot_swap_goodput, replica_drop_goodput, simulate, spare_load, spares_needed,
-                                stalls_per_day)
+from deadpool.sim.model import (
+    ClusterParams,
+    analytic_goodput,
+    checkpoint_restart_goodput,
+    erlang_b,
+    hot_swap_goodput,
+    replica_drop_goodput,
+    simulate,
+    spare_load,
+    spares_needed,
+    stalls_per_day,
+)
 
 SWEEP = (1024, 4096, 16384, 65536, 100000)
 
