@@ -166,7 +166,7 @@ class Session:
         # Everything built so far (torch, the model, the data) lives as long as the run: freezing it keeps it
         # out of the gc.collect() in leave_group, which otherwise walks it all (0.2-0.4 s) while recovering.
         gc.freeze()
-        cause = "activated as a spare" if self._held is not None else self._attempt(self._begin)
+        cause = "activated as a spare" if self._recovery is not None else self._attempt(self._begin)
         while cause or self.step < steps:
             if cause:
                 self._recover(cause)
