@@ -138,10 +138,3 @@ class Keys:
     def fault_fired(self, index: int) -> str:
         return self._k(f"fault/{index}")
 
-
-def encode(obj: object) -> str:
-    return json.dumps(obj)
-
-
-def decode(raw: bytes | str) -> object:
-    return json.loads(raw)

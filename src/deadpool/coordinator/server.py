@@ -62,8 +62,7 @@ class _Swap:
 class _Liveness:
     """The coordinator's view of one rank's heartbeat, on its own clock."""
 
-    raw: str = ""
-    beat: int = -1
+    raw: str = ""        # the last heartbeat read: any change (the beat counter moves) is a sign of life
     beat_t: float = 0.0
     progress: tuple[int, str] = (-1, "")
     progress_t: float = 0.0
@@ -90,7 +89,7 @@ class Coordinator:
         self.swap: _Swap | None = None
         self.root_cause: str | None = None
         self.live: dict[str, _Liveness] = {}
-        self.timeout = hang_timeout(config.hang_timeout_s, [])
+        self.announced = 0.0  # the hang timeout last written to the events
 
     def run(self) -> int:
         """Starts the job and returns its exit code."""
@@ -198,7 +197,7 @@ class Coordinator:
                 pulse = json.loads(text)
                 seen.raw, seen.pulse = text, pulse
                 if pulse["gen"] == gen:
-                    seen.beat, seen.beat_t = pulse["beat"], now
+                    seen.beat_t = now
                     if (pulse["step"], pulse["phase"]) != seen.progress:
                         seen.progress, seen.progress_t = (pulse["step"], pulse["phase"]), now
             if seen.pulse.get("gen") == gen:
@@ -208,8 +207,8 @@ class Coordinator:
             return  # detection starts once every rank of this generation has a heartbeat
         timeout = hang_timeout(self.config.hang_timeout_s,
                                [s.pulse["step_s"] for s in self.live.values() if s.pulse.get("step_s")])
-        if round(timeout.value or 0, 1) != round(self.timeout.value or 0, 1):
-            self.timeout = timeout
+        if abs((timeout.value or 0) - self.announced) > 0.2 * self.announced:  # say so when it moves by > 20 %
+            self.announced = timeout.value or 0
             self.events.emit("hang_timeout", timeout_s=timeout.value, reason=timeout.reason)
         verdict = hang_verdict(now, pulses, timeout.value or float("inf"))
         if not verdict.ok:

@@ -19,7 +19,7 @@ import time
 from typing import Protocol
 
 from deadpool.errors import SwapAborted, WorkerFailure
-from deadpool.runtime.context import Context
+from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.replica import receive_replica, send_replica
 from deadpool.runtime.slots import Slot
@@ -166,9 +166,10 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
 
 
 def hand_over(ctx: Context, inc: Incarnation, rank: int, slots: list[Slot]) -> None:
-    """A holder's part of TRANSFER: sends rank's replica to the process that takes the rank over."""
+    """A holder's part of TRANSFER: sends rank's replica to the process that takes the rank over (on a
+    store client of its own: it blocks in gloo's rendezvous, and may run beside the main thread's)."""
     try:
-        sent = send_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token, inc.generation, slots,
+        sent = send_replica(connect(ctx.config), inc.transfer_prefix(rank), ctx.config.token, inc.generation, slots,
                             ctx.config.collective_timeout_s)
         ctx.events.emit("replica_handed_over", of_rank=rank, to=inc.plan.ranks[rank], snapshots=sent)
     except Exception as error:  # the taker died or the generation moved on: the coordinator decides what next

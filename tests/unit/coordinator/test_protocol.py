@@ -2,7 +2,7 @@
 
 import json
 
-from deadpool.coordinator.protocol import Keys, Plan, decode, encode
+from deadpool.coordinator.protocol import Keys, Plan
 
 PLAN = Plan(generation=3, ranks=("w0", "s1", "w2"), holders=(("s0",), ("s0", "s2"), ()), spares=("s0", "s2"),
             reason="w1 (rank 1) failed; spare s1 takes rank 1")
@@ -93,12 +93,6 @@ def test_pair_prefixes_differ_by_rank_and_holder():
     prefixes = {keys.pair_prefix(1, r, h) for r in (0, 1, 11) for h in ("s0", "s1")}
     assert len(prefixes) == 6
     assert not any(a != b and a.startswith(b) for a in prefixes for b in prefixes)
-
-
-def test_encode_decode_round_trip():
-    value = {"step": 7, "gen": 2, "steps": [5, 7]}
-    assert decode(encode(value)) == value
-    assert decode(encode(value).encode()) == value
 
 
 def test_sources_say_who_streams_a_replica_to_its_new_owner():
