@@ -230,6 +230,13 @@ class Coordinator:
     # ---- recovery ---------------------------------------------------------------------------
 
     def _decide(self) -> int | None:
+        ranks_lost = self.swap is not None and any(f["rank"] is not None for f in self.swap.failed)
+        if self.finished and ranks_lost:  # the ranks that finished have left: no group is left to recover into
+            lost = ", ".join(f"{f['who']} {f['exit']}" for f in self.swap.failed) if self.swap else "a process"
+            done = sorted(r for r, p in enumerate(self.plan.ranks) if p in self.finished)
+            return self._fail(f"{lost} after ranks {done} had "
+                              f"finished training; the run is complete on those ranks, not on the failed one. "
+                              f"Last committed step: {self.committed}.")
         decision = plan_after_failures(self.steady, self.plan.generation, frozenset(self.lost))
         if not decision.ok or decision.value is None:
             lost = "; ".join(f"{f['who']} {f['exit']}" for f in self.swap.failed) if self.swap else ""

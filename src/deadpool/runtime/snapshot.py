@@ -106,7 +106,8 @@ class SnapshotEngine:
 
     def drain(self) -> None:
         """At the end of training: waits until the last snapshot is durable (or skipped) and the newest
-        durable one is committed, so a finished job leaves its final state committed in memory."""
+        durable one is committed (or abandoned), so a finished job leaves its last state that every rank
+        snapshotted committed in memory."""
         run = self._run
         assert run is not None
         deadline = time.monotonic() + self.ctx.config.collective_timeout_s
@@ -119,13 +120,14 @@ class SnapshotEngine:
             self.wait_committed(max(run.durable))
 
     def wait_committed(self, step: int) -> None:
-        """Blocks until the coordinator has committed `step` (or newer) in this generation."""
+        """Blocks until the coordinator has committed `step` (or newer) in this generation, or has abandoned
+        it (another rank skipped it under --backlog-policy skip, so it can never be committed)."""
         run = self._run
         assert run is not None
         deadline = time.monotonic() + self.ctx.config.recovery_timeout_s
         while True:
-            committed = read_committed(self.ctx.store, run.inc.committed_key())[0]
-            if committed is not None and committed >= step:
+            committed, abandoned = read_committed(self.ctx.store, run.inc.committed_key())
+            if (committed is not None and committed >= step) or step in abandoned:
                 return
             run.raise_if_failed()
             if time.monotonic() > deadline:

@@ -1,0 +1,80 @@
+"""Tests for deadpool/runtime/snapshot.py against a real TCPStore: waiting for commits, draining at the end."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deadpool.config import JobConfig
+from deadpool.coordinator.protocol import Keys, Plan
+from deadpool.errors import SwapAborted
+from deadpool.events import EventLog
+from deadpool.faults.plan import FaultInjector
+from deadpool.runtime.context import Context, connect
+from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.snapshot import SnapshotEngine
+from deadpool.runtime.watch import Watch
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """A rank's engine in generation 0 of a one-rank job with no holders, and the store's master."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), store_port=master.port, token="t",
+                       poll_interval_s=0.01, decision_timeout_s=0.5, recovery_timeout_s=1.0, collective_timeout_s=2.0)
+    keys, events = Keys("t"), EventLog(tmp_path / "events.jsonl", role="worker", proc="w0")
+    store = connect(config)
+    ctx = Context("w0", "worker", config, store, keys, events, FaultInjector((), store, keys, events))
+    inc = Incarnation.of(Plan(generation=0, ranks=("w0",), holders=((),), spares=()), "w0", keys)
+    master.set(inc.committed_key(), json.dumps({"step": None, "abandoned": []}))
+    watch = Watch(ctx, inc, None)
+    engine = SnapshotEngine(ctx, torch.device("cpu"))
+    engine.start(inc, watch)
+    yield engine, master, inc
+    engine.stop()
+    watch.close()
+
+
+def commit(master: dist.TCPStore, inc: Incarnation, step: int | None, abandoned: list[int]) -> None:
+    master.set(inc.committed_key(), json.dumps({"step": step, "abandoned": abandoned}))
+
+
+def test_wait_committed_returns_once_the_step_or_a_newer_one_is_committed(engine):
+    engine, master, inc = engine
+    commit(master, inc, 5, [])
+    engine.wait_committed(5)
+    engine.wait_committed(4)
+
+
+def test_wait_committed_returns_for_a_step_another_rank_skipped(engine):
+    """Under --backlog-policy skip a rank may hold a snapshot the others skipped: it is abandoned, never
+    committed, and the end of the run must not wait for it."""
+    engine, master, inc = engine
+    commit(master, inc, 14, [15, 16])
+    started = time.monotonic()
+    engine.wait_committed(16)
+    assert time.monotonic() - started < 0.5
+
+
+def test_wait_committed_is_bounded(engine):
+    engine, master, inc = engine
+    commit(master, inc, 3, [])
+    with pytest.raises(SwapAborted, match="snapshot 4 was not committed within 1.0 s"):
+        engine.wait_committed(4)
+
+
+def test_drain_waits_for_the_last_snapshot_to_be_durable_and_committed(engine):
+    engine, master, inc = engine
+    engine.capture(1, {"model": torch.nn.Linear(4, 4)})
+    deadline = time.monotonic() + 5
+    while not (master.check([inc.durable_key()]) and b"[1]" in master.get(inc.durable_key())):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    commit(master, inc, 1, [])  # what the coordinator does once every rank reported step 1 durable
+    engine.drain()
+    assert [s.step for s in engine.slots if s.step is not None] == [1]
