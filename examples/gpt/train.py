@@ -7,9 +7,7 @@ script, the lines marked `# DeadPool` are the whole change.
 from __future__ import annotations
 
 import argparse
-import random
 
-import numpy as np
 import torch
 
 import deadpool  # DeadPool
@@ -36,10 +34,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    session = deadpool.init()  # DeadPool: instead of dist.init_process_group("gloo")
+    session = deadpool.init()  # DeadPool: instead of dist.init_process_group("gloo"); seeds Python's and NumPy's RNGs
 
     text = load_text(args.data)
     tokenizer = CharTokenizer(text)

@@ -12,6 +12,7 @@ from deadpool.errors import ConfigError
 FAULT_KINDS = ("kill", "hang", "error", "corrupt_replica")
 FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate", "recovery")
 BACKLOG_POLICIES = ("wait", "skip")
+DIVERGENCE_ACTIONS = ("stop", "warn")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,8 @@ class JobConfig:
     snapshot_every: 0 turns snapshots off, K snapshots after every K-th step, "auto" measures the
     snapshot cost and picks the densest interval whose cost stays within `snapshot_budget` of a step.
     settle_s: failures that arrive within this window of the first are recovered as one set.
+    on_divergence: what the coordinator does when data-parallel replicas stop being bit-identical.
+    seed: seeds Python's and NumPy's global RNGs in every process (plus its rank), and PYTHONHASHSEED.
     hang_timeout_s: a rank that makes no progress this long while its peers wait is fenced; None
     adapts it to the job (coordinator/policy.py: hang_timeout).
     """
@@ -63,6 +66,8 @@ class JobConfig:
     snapshot_every: int | str = 1
     snapshot_budget: float = 0.01
     backlog_policy: str = "wait"
+    on_divergence: str = "stop"
+    seed: int = 0
     poll_interval_s: float = 0.02
     settle_s: float = 0.05
     hang_timeout_s: float | None = None
@@ -86,6 +91,10 @@ class JobConfig:
             raise ConfigError(f"--snapshot-budget is a fraction of step time in (0, 1), got {self.snapshot_budget}")
         if self.backlog_policy not in BACKLOG_POLICIES:
             raise ConfigError(f"--backlog-policy must be one of {BACKLOG_POLICIES}, got {self.backlog_policy!r}")
+        if self.on_divergence not in DIVERGENCE_ACTIONS:
+            raise ConfigError(f"--on-divergence must be one of {DIVERGENCE_ACTIONS}, got {self.on_divergence!r}")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"--seed must be in [0, 2**32), got {self.seed}")
         # Each deadline must leave room for the one it waits on.
         chain = [("poll-interval", self.poll_interval_s), ("decision-timeout", self.decision_timeout_s),
                  ("recovery-timeout", self.recovery_timeout_s), ("collective-timeout", self.collective_timeout_s)]

@@ -58,11 +58,13 @@ class Job:
         return {(e["step"], e["rank"]): e["samples"] for e in self.named("batch")}
 
 
-def run_job(run_dir: Path, *, steps: int = 10, workers: int = 4, spares: int = 1, faults: tuple[Fault, ...] = (),
+def run_job(run_dir: Path, *, steps: int | None = 10, workers: int = 4, spares: int = 1, faults: tuple[Fault, ...] = (),
             script_args: tuple[str, ...] = SMALL, script: Path = TRAIN, script_prefix: tuple[str, ...] = (),
             **config: Any) -> Job:
-    """Runs one job of `script` (the example by default) to its end; `script_prefix` goes before its arguments."""
-    job_config = JobConfig(script=str(script), script_args=(*script_prefix, "--steps", str(steps), *script_args),
+    """Runs one job of `script` (the example by default) to its end; `script_prefix` goes before its arguments,
+    then `--steps STEPS` unless `steps` is None."""
+    step_args = () if steps is None else ("--steps", str(steps))
+    job_config = JobConfig(script=str(script), script_args=(*script_prefix, *step_args, *script_args),
                            workers=workers, spares=spares, run_dir=str(run_dir), faults=faults, **config)
     code, summary = launch(job_config, echo=None)
     assert json.loads((run_dir / "summary.json").read_text()) == summary

@@ -2,15 +2,15 @@
 
 The coordinator's loop (server.py) gathers the inputs, calls these, applies the decision and logs its
 reason: how a process ended (classify_exit), who replaces whom (plan_after_failures), which step is
-committed (commit_step), who is hung (hang_verdict, hang_timeout), which step to restore
-(choose_restore_step).
+committed (commit_step), whether data-parallel replicas still agree (check_replicas), who is hung
+(hang_verdict, hang_timeout), which step to restore (choose_restore_step).
 """
 
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
-from typing import Generic, Mapping, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Mapping, TypeVar
 
 from deadpool.coordinator.protocol import Plan
 
@@ -135,6 +135,12 @@ class Durable:
 
     steps: tuple[int, ...] = ()
     skipped: tuple[int, ...] = ()
+    fingerprints: Mapping[int, int] = field(default_factory=dict)  # data parallel: step -> replicated state's CRC
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> "Durable":
+        return cls(tuple(raw["steps"]), tuple(raw["skipped"]),
+                   {int(step): crc for step, crc in raw.get("fingerprints", {}).items()})
 
 
 def commit_step(committed: int | None, reports: Mapping[int, Durable]) -> Decision[int]:
@@ -151,6 +157,49 @@ def commit_step(committed: int | None, reports: Mapping[int, Durable]) -> Decisi
 def abandoned_steps(committed: int | None, reports: Mapping[int, Durable]) -> list[int]:
     """Steps some rank skipped: no rank needs to keep them, since they can never be committed."""
     return sorted({s for r in reports.values() for s in r.skipped if committed is None or s > committed})
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Data-parallel replicas that should be bit-identical are not: at `step`, each group of ranks holds
+    one fingerprint of its parameters and optimizer state; `agreed` is the last step checked equal."""
+
+    step: int
+    groups: tuple[tuple[int, ...], ...]  # the largest group first
+    agreed: int | None
+
+
+@dataclass(frozen=True)
+class ReplicaCheck:
+    agreed: int | None  # the newest step whose fingerprints every rank reported equal
+    divergence: Divergence | None
+    reason: str
+
+
+DIVERGENCE_CAUSES = (
+    "state the training step keeps outside what DeadPool snapshots (a Python counter driving the learning "
+    "rate, a prefetched batch: assign it in the step function with `nonlocal`/`global`, or register it), "
+    "randomness from a generator DeadPool does not know, or an update that depends on the rank")
+
+
+def check_replicas(agreed: int | None, reports: Mapping[int, Durable]) -> ReplicaCheck:
+    """Compares, step by step after `agreed`, the fingerprints every rank reported; stops at the first
+    step where they differ."""
+    if not reports or any(not r.fingerprints for r in reports.values()):
+        return ReplicaCheck(agreed, None, "no fingerprints to compare")
+    common = sorted(set.intersection(*(set(r.fingerprints) for r in reports.values())))
+    for step in (s for s in common if agreed is None or s > agreed):
+        groups: dict[int, list[int]] = {}
+        for rank in sorted(reports):
+            groups.setdefault(reports[rank].fingerprints[step], []).append(rank)
+        if len(groups) > 1:
+            ordered = tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: (-len(g), g)))
+            others = " and ".join(f"ranks {list(g)}" for g in ordered[1:])
+            return ReplicaCheck(agreed, Divergence(step, ordered, agreed),
+                                f"at step {step}, {others} hold different parameters and optimizer state "
+                                f"than ranks {list(ordered[0])} (last checked equal: step {agreed})")
+        agreed = step
+    return ReplicaCheck(agreed, None, f"replicas equal up to step {agreed}")
 
 
 # ---- hangs ---------------------------------------------------------------------------------

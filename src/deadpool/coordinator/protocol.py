@@ -29,6 +29,13 @@ from dataclasses import asdict, dataclass
 ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
 
 
+def torchrun_env(rank: int, world_size: int) -> dict[str, str]:
+    """The identity torchrun gives a process, which scripts read from the environment (one host: local = global).
+    A spare starts with a placeholder rank >= world_size; deadpool.init() sets the rank it takes."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size)}
+
+
 @dataclass(frozen=True)
 class Plan:
     """Who is which rank in one generation, who holds whose replica, and where takers get their state."""

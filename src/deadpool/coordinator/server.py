@@ -6,7 +6,8 @@
     AWAIT_RESUMED --every rank agreed and rejoined--> STEADY
     any recovery phase --another failure--> SETTLING (the new set is planned from the last steady plan)
 
-In STEADY the loop also commits snapshots (policy.commit_step) and looks for hangs (policy.hang_verdict).
+In STEADY the loop also checks that data-parallel replicas agree (policy.check_replicas), commits snapshots
+(policy.commit_step) and looks for hangs (policy.hang_verdict).
 A script error ends the job at once without a swap; a deadline missed, or a decision with no answer,
 ends it with the earliest failure as its root cause. This module never imports torch: the store it is
 given is any object with the TCPStore methods it calls.
@@ -23,11 +24,14 @@ from typing import Any, TextIO
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import (
+    DIVERGENCE_CAUSES,
     FINISHED,
     SCRIPT_ERROR,
+    Divergence,
     Durable,
     Pulse,
     abandoned_steps,
+    check_replicas,
     choose_restore_step,
     classify_exit,
     commit_step,
@@ -64,7 +68,7 @@ class _Liveness:
 
     raw: str = ""        # the last heartbeat read: any change (the beat counter moves) is a sign of life
     beat_t: float = 0.0
-    progress: tuple[int, str] = (-1, "")
+    progress: tuple[int, str, int] = (-1, "", 0)  # step, phase, marks: any change is progress
     progress_t: float = 0.0
     pulse: dict[str, Any] = field(default_factory=dict)
 
@@ -86,6 +90,8 @@ class Coordinator:
         self.finished: set[str] = set()
         self.committed: int | None = None
         self.abandoned: list[int] = []
+        self.agreed: int | None = None    # the newest step whose replicas were checked equal
+        self.warned = -1                  # the generation in which a divergence was last reported
         self.swap: _Swap | None = None
         self.root_cause: str | None = None
         self.live: dict[str, _Liveness] = {}
@@ -97,10 +103,10 @@ class Coordinator:
             self.store.set(self.keys.heartbeat(name), "")
         self._publish(self.plan)
         for rank, name in enumerate(self.plan.ranks):
-            child = self.agent.spawn(name, "worker")
+            child = self.agent.spawn(name, "worker", rank)
             self.events.emit("process_spawned", proc=name, pid=child.pid, role="worker", rank=rank)
-        for name in self.plan.spares:
-            child = self.agent.spawn(name, "spare")
+        for i, name in enumerate(self.plan.spares):
+            child = self.agent.spawn(name, "spare", self.plan.world_size + i)
             self.events.emit("process_spawned", proc=name, pid=child.pid, role="spare", rank=None)
         while True:
             for child in self.agent.poll():
@@ -146,9 +152,9 @@ class Coordinator:
 
     def _tick(self) -> int | None:
         if self.phase is Phase.STEADY:
-            self._commit()
+            outcome = self._commit()
             self._look_for_hangs()
-            return None
+            return outcome
         if self.phase is Phase.SETTLING:
             return self._decide() if time.monotonic() >= self.deadline else None
         gen, world = self.plan.generation, range(self.plan.world_size)
@@ -167,20 +173,44 @@ class Coordinator:
 
     # ---- steady state -----------------------------------------------------------------------
 
-    def _commit(self) -> None:
-        """Commits the newest step every rank holds durably; the one writer of g{gen}/committed."""
+    def _commit(self) -> int | None:
+        """Checks that data-parallel replicas agree, then commits the newest step every rank holds durably;
+        the one writer of g{gen}/committed. A step is checked before it can be committed."""
         gen = self.plan.generation
         raw = self.store.multi_get([self.keys.durable(gen, r) for r in range(self.plan.world_size)])
-        reports = {r: Durable(**json.loads(v)) for r, v in enumerate(raw)}
+        reports = {r: Durable.from_json(json.loads(v)) for r, v in enumerate(raw)}
+        check = check_replicas(self.agreed, reports)
+        self.agreed = check.agreed
+        if check.divergence is not None:
+            outcome = self._diverged(check.divergence, check.reason)
+            if outcome is not None:
+                return outcome
         decision = commit_step(self.committed, reports)
         committed = decision.value if decision.ok else self.committed
         abandoned = abandoned_steps(committed, reports)
         if committed == self.committed and abandoned == self.abandoned:
-            return
+            return None
         self.committed, self.abandoned = committed, abandoned
         self._write_committed(gen)
         if decision.ok:
             self.events.emit("commit", step=committed, reason=decision.reason)
+        return None
+
+    def _diverged(self, divergence: Divergence, reason: str) -> int | None:
+        """Replicas that must be identical are not: the run is no longer the one the user started."""
+        self.events.emit("divergence", step=divergence.step, groups=[list(g) for g in divergence.groups],
+                         agreed=divergence.agreed, action=self.config.on_divergence)
+        self.agreed = divergence.step  # then go on checking the next steps
+        if self.config.on_divergence == "warn":
+            if self.warned != self.plan.generation:  # said once per generation; every step is in the events
+                self.warned = self.plan.generation
+                self._say(f"warning: replicas diverged {reason}. Usual causes: {DIVERGENCE_CAUSES}. "
+                          "Going on (--on-divergence warn).", stream=sys.stderr)
+            return None
+        self.root_cause = None
+        return self._fail(f"replicas diverged {reason}. Data-parallel replicas must stay bit-identical; these no "
+                          f"longer are, so the run is not the one you started. Usual causes: {DIVERGENCE_CAUSES}. "
+                          "Fix the script (or pass --on-divergence warn to go on anyway).")
 
     def _write_committed(self, gen: int) -> None:
         self.store.set(self.keys.committed(gen), json.dumps({"step": self.committed, "abandoned": self.abandoned}))
@@ -198,8 +228,9 @@ class Coordinator:
                 seen.raw, seen.pulse = text, pulse
                 if pulse["gen"] == gen:
                     seen.beat_t = now
-                    if (pulse["step"], pulse["phase"]) != seen.progress:
-                        seen.progress, seen.progress_t = (pulse["step"], pulse["phase"]), now
+                    progress = (pulse["step"], pulse["phase"], pulse["marks"])
+                    if progress != seen.progress:
+                        seen.progress, seen.progress_t = progress, now
             if seen.pulse.get("gen") == gen:
                 pulses[self.plan.ranks.index(proc)] = Pulse(seen.beat_t, seen.progress_t, seen.pulse["step"],
                                                             seen.pulse["phase"], seen.pulse["waiting"])
@@ -261,6 +292,7 @@ class Coordinator:
         if not decision.ok:
             return self._fail(f"cannot recover from memory: {decision.reason}")
         self.committed, self.abandoned = decision.value, []
+        self.agreed = decision.value  # the replayed steps are checked again
         self._write_committed(gen)
         self.store.set(self.keys.target(gen), str(decision.value))
         self.phase, self.deadline = Phase.AWAIT_RESUMED, time.monotonic() + self.config.recovery_timeout_s

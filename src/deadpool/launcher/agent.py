@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE
+from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE, torchrun_env
 
 _print_lock = threading.Lock()
 
@@ -44,10 +44,12 @@ class Agent:
         self.log_dir = Path(config.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, role: str) -> Child:
+    def spawn(self, name: str, role: str, rank: int) -> Child:
+        """Starts one process as `rank` (a spare: a placeholder rank past the workers')."""
         env = {**os.environ, ENV_CONFIG: str(self.config_path), ENV_PROC: name, ENV_ROLE: role,
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **torchrun_env(rank, self.config.world_size)}
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host must not oversubscribe
+        env.setdefault("PYTHONHASHSEED", str(self.config.seed))  # str hashes, hence set order, the same every run
         popen = subprocess.Popen([sys.executable, "-u", self.config.script, *self.config.script_args], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, errors="replace")

@@ -46,6 +46,10 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
     p.add_argument("--snapshot-budget", type=float, default=0.01, help="auto: snapshot cost / step time")
     p.add_argument("--backlog-policy", choices=("wait", "skip"), default="wait",
                    help="when replication falls behind: wait for it, or skip the snapshot")
+    p.add_argument("--on-divergence", choices=("stop", "warn"), default="stop",
+                   help="when data-parallel replicas stop being bit-identical: stop the job, or warn and go on")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds Python's and NumPy's RNGs (plus the rank) in init(), and PYTHONHASHSEED")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--master-addr", default="127.0.0.1", help="address the coordinator's store listens on")
     p.add_argument("--master-port", type=int, default=0, help="port of the coordinator's store (0 = any free)")
@@ -66,7 +70,8 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
     fields = dict(script=script, script_args=tuple(script_args), workers=args.workers, spares=args.spares,
                   run_dir=str(run_dir), store_host=args.master_addr, store_port=args.master_port,
                   backend=args.backend, snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
-                  backlog_policy=args.backlog_policy, settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
+                  backlog_policy=args.backlog_policy, on_divergence=args.on_divergence, seed=args.seed,
+                  settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
                   decision_timeout_s=args.decision_timeout, recovery_timeout_s=args.recovery_timeout,
                   collective_timeout_s=args.collective_timeout, faults=tuple(args.fault if faults is None else faults))
     return JobConfig(**{**fields, **overrides})

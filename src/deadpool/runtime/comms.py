@@ -6,12 +6,14 @@ import atexit
 import gc
 import logging
 import os
+import socket
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, ContextManager
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ def finish(work: dist.Work, interrupted: Callable[[], bool]) -> None:
     algorithm step; the others would wait for the full collective timeout. The coordinator's abort
     releases them within a poll interval. The abandoned operation is never touched again. NCCL
     completes a work's future when the kernel is enqueued, not when it ends, so there the work
-    itself is polled (and the watch aborts the communicator, which ends the kernel).
+    itself is polled (and the watch aborts the communicator, which ends the kernel: abandon_group).
     """
     if dist.get_backend() == "nccl":
         while not work.is_completed():
@@ -73,13 +75,61 @@ def finish(work: dist.Work, interrupted: Callable[[], bool]) -> None:
     work.wait()
 
 
-def abort_communicator() -> None:
-    """Called from the watch thread when the generation is aborted: on NCCL, aborting the communicator
-    releases a training thread blocked in a kernel or a host sync. gloo cannot abort (its abort is a no-op);
-    there `finish` releases the waiting thread instead."""
+def abandon_group() -> None:
+    """Called from the watch thread when the generation is aborted: releases a training thread blocked in
+    the default group, in DeadPool's collectives or in the script's own (a metric all_reduce, a barrier).
+
+    NCCL: aborting the communicator ends its kernels and host syncs. gloo cannot abort (its abort is a
+    no-op), and a synchronous gloo call cannot be interrupted, so the group's TCP connections are shut
+    down instead: every pending and later operation of this group, here and at the peers connected to
+    this process, fails at once with a connection error, as if a peer had died. The group is never used
+    again; the next generation joins a fresh one.
+    """
     group: Any = dist.group.WORLD
-    if dist.is_initialized() and dist.get_backend() == "nccl" and group is not None:
+    if not dist.is_initialized() or group is None:
+        return
+    if dist.get_backend() == "nccl":
         group.abort()
+        return
+    sockets = _socket_fds()
+    for inode in _group_sockets:
+        if inode in sockets:
+            try:
+                with socket.socket(fileno=os.dup(sockets[inode])) as conn:
+                    conn.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
+                pass
+
+
+_group_sockets: set[int] = set()  # inodes of the default group's TCP connections (gloo), found at join
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's sockets: inode -> file descriptor."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            found[int(link[8:-1])] = int(fd)
+    return found
+
+
+def _tcp_ports() -> dict[int, tuple[int, int]]:
+    """This process's TCP sockets: inode -> (local port, remote port; 0 when listening), from /proc/self/net/tcp{,6}."""
+    ports = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], int(fields[9])
+            ports[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
+    return ports
 
 
 def guard_exit() -> None:
@@ -114,10 +164,17 @@ def guard_exit() -> None:
 _exit_guarded = False
 
 
-def join_group(store: dist.Store, prefix: str, backend: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """Makes this process rank `rank` of a fresh default group; the prefix keeps generations apart."""
+def join_group(store: dist.TCPStore, prefix: str, backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Makes this process rank `rank` of a fresh default group; the prefix keeps generations apart. The
+    TCP connections the group opens (any new one not to the store) are noted for abandon_group."""
+    before = set(_socket_fds())
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    if backend == "gloo":
+        ports = _tcp_ports()
+        _group_sockets.clear()
+        _group_sockets.update(inode for inode in set(_socket_fds()) - before  # connections to peers: not the
+                              if inode in ports and ports[inode][1] and store.port not in ports[inode])  # listener
 
 
 def leave_group() -> None:
@@ -127,6 +184,7 @@ def leave_group() -> None:
     a failed step they stayed open), so peers blocked on this process are released by the
     coordinator's abort instead (see finish), not by a broken connection.
     """
+    _group_sockets.clear()
     if not dist.is_initialized():
         return
     group: Any = dist.group.WORLD
@@ -139,7 +197,8 @@ def leave_group() -> None:
 
 class DataParallel(torch.nn.Module):
     """Data parallelism that survives a change of process group: what DistributedDataParallel does
-    for the user (start from rank 0's weights, average gradients when backward ends), without it.
+    for the user (start from rank 0's weights, average gradients when backward ends, skip that inside
+    `no_sync()` or while `require_backward_grad_sync` is False), without it.
 
     torch's DDP keeps its process group alive after the DDP object is deleted (its sockets stay
     open), so a survivor blocked on a dead group would not be released by its peers; its bucket
@@ -154,6 +213,7 @@ class DataParallel(torch.nn.Module):
         self.interrupted: Callable[[], bool] = lambda: False  # this generation's abort check (attach sets it)
         self.waiting: Callable[[str], ContextManager[None]] = lambda _: nullcontext()
         self._queued = False
+        self.require_backward_grad_sync = True  # DDP's switch for gradient accumulation, which scripts set
         for p in self._params():
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -174,6 +234,15 @@ class DataParallel(torch.nn.Module):
     def detach(self) -> None:
         self.attached = False
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As DDP's: backward passes inside accumulate gradients locally; the first one outside averages them."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.attached:
             raise ProtocolError("the model was used outside session.run(): DeadPool attaches it to the process group")
@@ -181,22 +250,22 @@ class DataParallel(torch.nn.Module):
 
     def _on_grad(self, _param: torch.Tensor) -> None:
         # The first gradient of a backward pass queues one averaging step for when the pass ends.
-        if self.attached and not self._queued:
+        if self.attached and self.require_backward_grad_sync and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
 
     def _average_gradients(self) -> None:
-        """One all-reduce per dtype over the gradients flattened in parameter order (a missing one counts as zero)."""
+        """One all-reduce per dtype over the gradients flattened in parameter order (a missing one counts as
+        zero), each multiplied by 1/world size first: DDP's arithmetic, so two ranks give DDP's bits exactly."""
         self._queued = False
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in self._params():
             by_dtype.setdefault(p.dtype, []).append(p)
         for params in by_dtype.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / dist.get_world_size())
             with self.waiting("all_reduce"):
                 finish(dist.all_reduce(flat, async_op=True), self.interrupted)
-            flat.div_(dist.get_world_size())
             offset = 0
             for p, g in zip(params, grads):
                 p.grad = flat[offset: offset + g.numel()].view_as(g)

@@ -3,9 +3,13 @@ survivors (which roll back from their own slots) and takers (spares given a rank
 a replica). An idle spare that holds a taken rank's replica only streams it (spare.py, same helpers).
 
     AWAIT_PLAN --plan g+1 names me--> TRANSFER --my rank's replica is here--> REPORT --ready sent-->
-    AWAIT_TARGET --target C--> RESTORE --C loaded--> REJOIN --group joined, all agree on C--> done
-         ^                        |                                    |                 |
-         +------- abort of g+1 (another failure), or the rejoin failed -+-----------------+
+    AWAIT_TARGET --target C--> JOIN --group g+1 joined--> RESTORE --C loaded--> RESUME --all agree on C--> done
+         ^                       |                          |                                 |
+         +------- abort of g+1 (another failure), or joining or agreeing failed --------------+
+
+The group is joined before the state is restored so that a spare's deadpool.init() returns with the
+default group in place (the script may call torch.distributed at once), while its script builds the
+model; the survivors wait for it in RESUME.
 
 A process the new plan no longer names has been fenced out: it must stop, never rejoin.
 """
@@ -16,7 +20,7 @@ import enum
 import json
 import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 from deadpool.errors import SwapAborted, WorkerFailure
 from deadpool.runtime.context import Context, connect
@@ -30,8 +34,9 @@ class State(enum.Enum):
     TRANSFER = "transfer"          # holders stream taken ranks' replicas to their takers
     REPORT = "report"              # tell the coordinator which steps this rank holds intact
     AWAIT_TARGET = "await_target"  # the coordinator picks the newest step every rank holds
-    RESTORE = "restore"            # load it into the live state
-    REJOIN = "rejoin"              # join the new group, agree on it, restart snapshots
+    JOIN = "join"                  # join generation g+1's process group (the default group)
+    RESTORE = "restore"            # load C into the live state
+    RESUME = "resume"              # agree on C with every rank, restart snapshots
 
 
 class Member(Protocol):
@@ -49,16 +54,20 @@ class Member(Protocol):
     def holdings(self) -> list[int]:
         """The snapshot steps this rank can restore, checksums verified."""
 
+    def join(self, inc: Incarnation) -> None:
+        """Becomes inc's rank: joins its process group (the default group); raises if that fails."""
+
     def restore(self, step: int) -> None: ...
 
-    def rejoin(self, inc: Incarnation, step: int) -> None:
-        """Joins inc's group, checks every rank restored `step`, restarts snapshots; raises if that fails."""
+    def resume(self, step: int) -> None:
+        """Checks every rank restored `step`, restarts snapshots; raises if that fails."""
 
 
 class Recovery:
     """One process's way from a failed generation to a running one. `run` may stop before a given state
-    and be called again to go on: a spare that is given a rank hands over, receives and reports its
-    replicas at once, while the script builds its model, and goes on from AWAIT_TARGET in session.run."""
+    and be called again to go on: a spare that is given a rank runs it up to RESTORE inside deadpool.init()
+    (hand over, receive, report, join), and goes on from there in session.run, once its script has built
+    the state to restore into."""
 
     def __init__(self, ctx: Context, member: Member, failed_gen: int, failed_step: int | None,
                  inc: Incarnation | None = None) -> None:
@@ -113,24 +122,37 @@ class Recovery:
                 return None
             self.target = int(ctx.store.get(inc.target_key()))
             self.marks["agreed"] = time.monotonic()
-            self.state = State.RESTORE
+            self.state = State.JOIN
+        elif self.state is State.JOIN:
+            if self._attempt(lambda: member.join(inc)):
+                self.marks["joined"] = time.monotonic()
+                self.state = State.RESTORE
         elif self.state is State.RESTORE:
+            self.marks["restore"] = time.monotonic()
             member.restore(self.target)
             self.marks["restored"] = time.monotonic()
-            self.state = State.REJOIN
-        elif self.state is State.REJOIN:
-            try:
-                member.rejoin(inc, self.target)
-            except Exception as error:  # a failure while rejoining: the coordinator publishes the next generation
-                ctx.events.emit("rejoin_failed", error=f"{type(error).__name__}: {str(error).splitlines()[0]}")
-                self._again()
+            self.state = State.RESUME
+        elif self.state is State.RESUME:
+            if not self._attempt(lambda: member.resume(self.target)):
                 return None
             t, now = self.marks, time.monotonic()
             ctx.events.emit("recovered", restored_step=self.target, negotiate_s=t["agreed"] - self.started,
-                            restore_s=t["restored"] - t["agreed"], rebuild_s=now - t["restored"],
-                            total_s=now - self.started)
+                            restore_s=t["restored"] - t["restore"],
+                            rebuild_s=(t["joined"] - t["agreed"]) + (now - t["restored"]), total_s=now - self.started)
             return inc, self.target
         return None
+
+    def _attempt(self, action: Callable[[], None]) -> bool:
+        """Joining or agreeing may fail because of another failure: the coordinator then publishes the next
+        generation, which this process waits for."""
+        try:
+            action()
+            return True
+        except Exception as error:
+            self.ctx.events.emit("rejoin_failed", state=self.state.value,
+                                 error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            self._again()
+            return False
 
     def _again(self) -> None:
         """Generation self.gen failed too: wait for the one after it."""

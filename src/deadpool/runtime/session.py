@@ -11,10 +11,12 @@ failure a spare can fix: it is reported to the coordinator, which stops the job.
 
 from __future__ import annotations
 
+import dis
 import gc
 import hashlib
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -27,11 +29,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deadpool.coordinator.protocol import torchrun_env
 from deadpool.errors import ConfigError, DeadPoolError, ProtocolError, SwapAborted, WorkerFailure
 from deadpool.runtime.comms import (
     CollectiveAborted,
     DataParallel,
-    abort_communicator,
+    abandon_group,
     finish,
     guard_exit,
     is_communication_error,
@@ -70,6 +73,44 @@ class RNGState:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class StepVariables:
+    """The variables a step function rebinds that outlive the call (the names it declares `nonlocal` or
+    `global` and assigns): the script's own state, such as an iteration counter, the best metric or a
+    prefetched batch. They are snapshotted and restored with the registered objects, so that a port
+    needs no restructuring to be correct."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        stored = [(i.opname, i.argval) for i in dis.get_instructions(fn) if i.opname in ("STORE_DEREF", "STORE_GLOBAL")]
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+        self.cells = {name: cells[name] for op, name in sorted(set(stored)) if op == "STORE_DEREF" and name in cells}
+        self.globals = sorted({name for op, name in stored if op == "STORE_GLOBAL"})
+        self.namespace = fn.__globals__
+        self.function = fn.__name__
+
+    def names(self) -> list[str]:
+        return [*self.cells, *self.globals]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {}
+        for name, cell in self.cells.items():
+            try:
+                state[name] = cell.cell_contents
+            except ValueError:  # not assigned yet
+                pass
+        state.update({name: self.namespace[name] for name in self.globals if name in self.namespace})
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            current = self.cells[name].cell_contents if name in self.cells else self.namespace.get(name)
+            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+                value = value.to(current.device)  # restored from host memory onto the device it lived on
+            if name in self.cells:
+                self.cells[name].cell_contents = value
+            else:
+                self.namespace[name] = value
+
+
 def init() -> "Session":
     """Joins the job. A worker returns at once; a spare blocks here, holding other ranks' snapshots,
     until it is given a rank (or exits with the job if it never is)."""
@@ -81,10 +122,10 @@ def init() -> "Session":
 
         inc, held = Standby(ctx).run()
         session = Session(ctx, inc, held=held)
-        # Hand over, receive and report this rank's replicas now, while the script builds its model;
-        # session.run() goes on from there with the same state machine as the survivors.
+        # Hand over, receive and report this rank's replicas and join the group now; the script then builds
+        # its model, and session.run() restores into it with the same state machine as the survivors.
         session._recovery = Recovery(ctx, session, inc.generation - 1, failed_step=None, inc=inc)
-        session._recovery.run(until=State.AWAIT_TARGET)
+        session._recovery.run(until=State.RESTORE)
         return session
     ctx.wait_key(ctx.keys.plan(0), time.monotonic() + ctx.config.connect_timeout_s)
     session = Session(ctx, Incarnation.of(ctx.plan(0), ctx.proc, ctx.keys))
@@ -112,12 +153,22 @@ class Session:
         self.watch: Watch | None = None
         self._held = held  # a spare's replicas, until it has taken its rank
         self._recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
-        self._tree: dict[str, Stateful] = {}
+        self._registered: dict[str, Stateful] = {}
+        self._tree: dict[str, Stateful] = {}  # everything a snapshot holds, named (built by run)
         self._model: DataParallel | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._frontier = 0
+        self._variables: StepVariables | None = None
+        self._stop_requested = False  # session.stop() was called in this step
+        self._stopped = False         # every rank agreed to end the run after this step
+        self._check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
         ctx.faults.rank = ctx.events.rank = inc.rank
         ctx.events.generation = inc.generation
+        os.environ.update(torchrun_env(self.rank, self.world_size))
+        # Unseeded Python and NumPy generators would make every run differ; a script that seeds them after
+        # init() keeps its own seeds. torch's default generator has a fixed seed already.
+        random.seed(ctx.config.seed + self.rank)
+        np.random.seed((ctx.config.seed + self.rank) % 2**32)
         _report_script_errors(self)
 
     @property
@@ -138,6 +189,7 @@ class Session:
         """Use instead of DistributedDataParallel(model): the returned module survives group rebuilds."""
         model.to(self.device)
         self._model = DataParallel(model)
+        self.engine.replicated = True  # every rank's parameters and optimizer state must stay identical
         self._model.register_forward_pre_hook(lambda *_: self._point("forward"))
         params = [p for p in model.parameters() if p.requires_grad]
         if params:  # a hook midway through the parameters fires in the middle of backward
@@ -145,33 +197,54 @@ class Session:
         return self._model
 
     def register(self, **objects: Stateful) -> None:
-        """Declares the state a snapshot holds: model, optimizer, scheduler, data position, anything
-        Stateful. RNG states and the step counter are added by DeadPool."""
+        """Declares the state a snapshot holds: optimizer, scheduler, data position, anything Stateful (may be
+        called more than once). The model given to wrap(), RNG states, the step counter and the variables the
+        step function rebinds are added by DeadPool."""
         for name, obj in objects.items():
-            if name in ("rng", "deadpool"):
-                raise ConfigError(f"state name {name!r} is reserved by DeadPool; pick another")
+            if name in ("rng", "deadpool", "variables") or name in self._registered:
+                raise ConfigError(f"state name {name!r} is reserved by DeadPool or already registered; pick another")
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"{name!r} is not Stateful: it needs state_dict() and load_state_dict()")
-        self._tree = {**objects, "rng": RNGState(), "deadpool": self}
-        self._optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
-        for opt in self._optimizers:
-            opt.register_step_pre_hook(lambda *_: self._before_optimizer_step())
-            opt.register_step_post_hook(lambda *_: self._point("after_optimizer"))
+            self._registered[name] = obj
+            if isinstance(obj, torch.optim.Optimizer):
+                self._optimizers.append(obj)
+                obj.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+                obj.register_step_post_hook(lambda *_: self._point("after_optimizer"))
 
-    def run(self, train_step: Callable[[int], Any], steps: int) -> None:
-        """Calls train_step(step) for step = next..steps; returns when every step is done, recovering
-        from failures on the way. train_step may return the loss (a tensor or a float)."""
-        if not self._tree:
-            raise ConfigError("call session.register(model=..., optimizer=..., ...) before session.run()")
+    def run(self, train_step: Callable[[int], Any], steps: int | None = None) -> None:
+        """Calls train_step(step) for step = next..steps (or until session.stop()); returns when every step
+        is done, recovering from failures on the way. train_step may return the loss (a tensor or a float).
+
+        The variables train_step rebinds with `nonlocal` or `global` (a counter, a prefetched batch) are
+        part of every snapshot, like the registered objects."""
+        objects = dict(self._registered)
+        model = self._model
+        if model is not None and not any(obj is model or obj is model.module for obj in objects.values()):
+            objects = {"model" if "model" not in objects else "wrapped_model": model, **objects}
+        if model is not None and not self._optimizers:
+            raise ConfigError("register the optimizer before session.run(): session.register(optimizer=optimizer) "
+                              "(DeadPool snapshots while the next step runs, and must know when the weights change)")
+        self._variables = StepVariables(train_step)
+        self._tree = {**objects, "rng": RNGState(), "deadpool": self, "variables": self._variables}
+        try:
+            state_sha256({"variables": self._variables})  # values DeadPool cannot snapshot fail here, not mid-run
+        except ConfigError as error:
+            raise ConfigError(f"{error}. {train_step.__name__} rebinds it with nonlocal/global, so DeadPool "
+                              "snapshots it: keep plain values there, or register the object instead") from None
         # Everything built so far (torch, the model, the data) lives as long as the run: freezing it keeps it
         # out of the gc.collect() in leave_group, which otherwise walks it all (0.2-0.4 s) while recovering.
         gc.freeze()
         cause = "activated as a spare" if self._recovery is not None else self._attempt(self._begin)
-        while cause or self.step < steps:
+        while cause or not (self._stopped or (steps is not None and self.step >= steps)):
             if cause:
                 self._recover(cause)
             cause = self._attempt(lambda: self._one_step(train_step))
         self._finish()
+
+    def stop(self) -> None:
+        """Ends the run after the current step, on every rank at that same step (early stopping, an
+        evaluate-only run). Any rank may call it; the ranks agree at the end of the step."""
+        self._stop_requested = True
 
     def log(self, event: str, **fields: Any) -> None:
         """Appends an event of the script's own to the run's events.jsonl (JSON-serialisable fields)."""
@@ -187,7 +260,7 @@ class Session:
 
     def _enter(self) -> None:
         """Builds this generation's watch and joins its process group."""
-        self.watch = Watch(self.ctx, self.inc, self.progress, on_abort=abort_communicator)
+        self.watch = Watch(self.ctx, self.inc, self.progress, on_abort=abandon_group)
         start = time.monotonic()
         join_group(self.ctx.store, self.inc.group_prefix(), self.backend, self.rank, self.world_size,
                    self.ctx.config.collective_timeout_s)
@@ -237,6 +310,7 @@ class Session:
             raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
         step = self.step + 1
         self._point("step_start")
+        self._stop_requested = False
         start, waited = time.monotonic(), self.engine.wait_s
         loss = train_step(step)
         self.step = step
@@ -246,10 +320,22 @@ class Session:
         value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=self.engine.wait_s - waited,
                              replay=step <= self._frontier)
-        if self.every and step % self.every == 0:
+        if self.every and (step % self.every == 0 or self._check_next):
             self.engine.capture(step, self._tree)
+            self._check_next = False
         if self.calibrating and step >= CALIBRATION_STEPS:
             self._choose_interval()
+        self._stopped = self._agree_to_stop()
+
+    def _agree_to_stop(self) -> bool:
+        """True on every rank if any rank called stop() in this step (one small all-reduce per step)."""
+        assert self.watch is not None
+        flag = torch.tensor([int(self._stop_requested)], dtype=torch.int64, device=self.device)
+        with self.progress.waiting_for("stop"):
+            finish(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), self.watch.aborted)
+        if flag.item() and self.rank == 0:
+            self.ctx.events.emit("stopped", step=self.step, reason="session.stop()")
+        return bool(flag.item())
 
     def _choose_interval(self) -> None:
         """`auto`: the densest interval whose snapshot cost stays within the budget; ranks take the max.
@@ -277,14 +363,18 @@ class Session:
         if self.every:
             with self.progress.waiting_for("commit"):
                 self.engine.drain()
-        # the training state: everything registered, the RNGs and the step, not DeadPool's own settings
+        # The training state: everything registered, the RNGs and the step, not DeadPool's own settings. The
+        # step function's variables have their own digest but stay out of the whole: they may hold timings.
         training = {name: obj for name, obj in self._tree.items() if name != "deadpool"}
         digests = {**state_sha256(training), "step": str(self.step)}
-        whole = hashlib.sha256("".join(digests[k] for k in sorted(digests)).encode()).hexdigest()
+        whole = hashlib.sha256("".join(digests[k] for k in sorted(digests) if k != "variables").encode()).hexdigest()
         self.ctx.events.emit("finished", step=self.step, state_sha256=whole, entry_sha256=digests)
         if self.watch is not None:
             self.watch.close(last_words=FINISHED)
-        self.leave()
+            self.watch = None
+        # The process group stays: the script may still use it (a final barrier, an evaluation) and destroy
+        # it with dist.destroy_process_group(), as after DDP. Failures from here on are not recovered.
+        self.engine.stop()
 
     # ---- failures ------------------------------------------------------------------------
 
@@ -317,11 +407,13 @@ class Session:
         """Leaves the failed generation and runs the recovery state machine into the next one."""
         started = time.monotonic()
         guard_exit()
-        self._frontier = max(self._frontier, self.step)
-        self.ctx.events.emit("failure_seen", cause=cause, step=self.step)
-        self.leave()
+        activated = self._recovery is not None  # a spare whose recovery began in init(): it is in the group already
+        if not activated:
+            self._frontier = max(self._frontier, self.step)
+            self.ctx.events.emit("failure_seen", cause=cause, step=self.step)
+            self.leave()
         recovery = self._recovery or Recovery(self.ctx, self, self.inc.generation, self.step + 1)
-        activated, self._recovery = self._recovery is not None, None
+        self._recovery = None
         try:
             done = recovery.run()
         except SwapAborted as error:
@@ -354,23 +446,30 @@ class Session:
         skeleton, tensors, numpy_flags = self.engine.slot_for(step).tensors()
         load_into(self._tree, unflatten(skeleton, tensors, numpy_flags))
         self.engine.keep_only(step)
+        self._stop_requested = self._stopped = False
         for opt in self._optimizers:
             opt.zero_grad(set_to_none=True)
         if self._model is not None:
             self._model.zero_grad(set_to_none=True)
 
-    def rejoin(self, inc: Incarnation, step: int) -> None:
-        """Enters generation `inc`: joins its group, checks every rank restored the same state, restarts snapshots."""
+    def join(self, inc: Incarnation) -> None:
+        """Becomes generation `inc`'s rank: its identity, its watch and its process group."""
         self.inc = inc
         self.ctx.faults.rank = self.ctx.events.rank = inc.rank
-        self.progress.mark(step, "rejoin")
+        os.environ.update(torchrun_env(self.rank, self.world_size))
+        self.progress.mark(self.step, "rejoin")
         self._enter()
+
+    def resume(self, step: int) -> None:
+        """Checks that every rank restored the same state, then restarts snapshots; the next step is
+        snapshotted whatever the interval, so the replicas are compared right after a recovery."""
         assert self.watch is not None
         self._attach(sync=False)
         self._agree(step)
-        self.ctx.store.set(inc.resumed_key(), str(step))
-        self.engine.start(inc, self.watch)
+        self.ctx.store.set(self.inc.resumed_key(), str(step))
+        self.engine.start(self.inc, self.watch)
         self._held = None
+        self._check_next = True
 
     def _agree(self, target: int) -> None:
         """All ranks must hold the same step and, data-parallel, bit-identical parameters."""
@@ -393,7 +492,8 @@ def _report_script_errors(session: Session) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if isinstance(error, Exception) and not isinstance(error, DeadPoolError) and not is_communication_error(error):
+        yours = isinstance(error, ConfigError) or not isinstance(error, DeadPoolError)
+        if isinstance(error, Exception) and yours and not is_communication_error(error):
             first = str(error).splitlines()[0] if str(error) else ""
             report = {"rank": session.inc.rank, "step": session.progress.step, "gen": session.generation,
                       "error": f"{kind.__name__}: {first}"}

@@ -12,8 +12,16 @@ from deadpool.runtime.state import Layout
 
 
 def checksum(meta: bytes, data: torch.Tensor) -> int:
-    """CRC-32 over the metadata and the data bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(data.numpy().data, zlib.crc32(meta))
+    """CRC-32 over the data bytes, then the metadata (zlib releases the GIL on large buffers)."""
+    return checksums(meta, data, 0)[1]
+
+
+def checksums(meta: bytes, data: torch.Tensor, lead_nbytes: int) -> tuple[int, int]:
+    """(CRC-32 of the first `lead_nbytes` bytes, `checksum(meta, data)`) in one pass over the data:
+    a CRC continued over the rest is the CRC of the whole."""
+    raw = data.numpy().data
+    lead = zlib.crc32(raw[:lead_nbytes])
+    return lead, zlib.crc32(meta, zlib.crc32(raw[lead_nbytes:], lead))
 
 
 @dataclass

@@ -30,8 +30,8 @@ from deadpool.errors import ProtocolError, SwapAborted
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.replica import ReplicaSender
-from deadpool.runtime.slots import Slot, checksum, free_slot, make_meta
-from deadpool.runtime.state import Flat, Layout, Stateful, flatten
+from deadpool.runtime.slots import Slot, checksums, free_slot, make_meta
+from deadpool.runtime.state import ALIGN, Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
 
 
@@ -62,6 +62,7 @@ class SnapshotEngine:
         self.cuda = device.type == "cuda"
         self.slots = slots or [Slot(pinned=self.cuda), Slot(pinned=self.cuda)]
         self.wait_s = 0.0            # total time the training thread waited for copies
+        self.replicated = False      # data parallel: report fingerprints, which must be equal on every rank
         self.costs: list[float] = []  # engine busy seconds per snapshot (copy + checksum + replicate)
         self.lock = threading.Lock()  # taken to reserve a slot, and to take slots away from a stopped run
         self._run: _Run | None = None
@@ -86,7 +87,7 @@ class SnapshotEngine:
             ready.record()
         self._run.copied.clear()
         self._run.queued(+1)
-        self._run.jobs.put(_Job(step, flat, Layout.of(flat.tensors), ready))
+        self._run.jobs.put(_Job(step, flat, Layout.of(flat.tensors, lead=flat.stable), ready))
 
     def wait_copied(self) -> float:
         """Blocks until the last capture is in its slot: the only wait training ever pays."""
@@ -182,6 +183,7 @@ class _Run:
         self.error: BaseException | None = None
         self.writing: Slot | None = None
         self.durable: set[int] = set()
+        self.fingerprints: dict[int, int] = {}  # step -> CRC-32 of its replicated tensors (parameters, optimizer)
         self.skipped: list[int] = []
         self.thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{inc.generation}", daemon=True)
         self.thread.start()
@@ -242,7 +244,9 @@ class _Run:
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy)
         copied = time.monotonic()
         self.copied.set()
-        slot.seal(job.step, meta, checksum(meta, slot.data))
+        fingerprint, crc = checksums(meta, slot.data, job.layout.lead_nbytes)
+        slot.seal(job.step, meta, crc)
+        self.fingerprints[job.step] = fingerprint
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
             self._replicate(slot, holder, store, senders)
@@ -278,7 +282,11 @@ class _Run:
     def _report(self, store: dist.Store) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
         held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
-        store.set(self.inc.durable_key(), json.dumps({"steps": held, "skipped": self.skipped}))
+        report: dict[str, object] = {"steps": held, "skipped": self.skipped}
+        if self.engine.replicated:
+            self.fingerprints = {step: self.fingerprints[step] for step in held}
+            report["fingerprints"] = {str(step): crc for step, crc in self.fingerprints.items()}
+        store.set(self.inc.durable_key(), json.dumps(report))
 
     def _copy(self, job: _Job, buffer: torch.Tensor) -> None:
         """Copies every tensor into its place in the slot; on GPU through a side stream into pinned memory."""
@@ -291,6 +299,8 @@ class _Run:
                     self.ctx.faults.point("snapshot_copy", job.step)
                 if n:
                     buffer[offset: offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=engine.cuda)
+                if offset + n < job.layout.lead_nbytes:  # padding in the fingerprinted region: equal on every rank
+                    buffer[offset + n: offset - (-n // ALIGN) * ALIGN].zero_()
         if engine._stream is not None:
             engine._stream.synchronize()
 

@@ -43,15 +43,23 @@ class Layout:
 
     specs: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (dtype name, shape, offset, nbytes)
     nbytes: int
+    lead_nbytes: int = 0  # the leading bytes that hold the `lead` tensors (and zeroed padding) only
 
     @classmethod
-    def of(cls, tensors: list[torch.Tensor]) -> "Layout":
-        specs, offset = [], 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            specs.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
-            offset += -(-n // ALIGN) * ALIGN
-        return cls(tuple(specs), offset)
+    def of(cls, tensors: list[torch.Tensor], lead: list[bool] | None = None) -> "Layout":
+        """Tensors keep their index; the `lead` ones are placed first, so that their bytes form one
+        region whose checksum is the data-parallel replicas' fingerprint (snapshot.py)."""
+        lead = lead or [False] * len(tensors)
+        offsets: dict[int, int] = {}
+        offset = lead_nbytes = 0
+        for i in [*(i for i, x in enumerate(lead) if x), *(i for i, x in enumerate(lead) if not x)]:
+            offsets[i] = offset
+            offset += -(-tensors[i].numel() * tensors[i].element_size() // ALIGN) * ALIGN
+            if lead[i]:
+                lead_nbytes = offset
+        specs = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape), offsets[i], t.numel() * t.element_size())
+                      for i, t in enumerate(tensors))
+        return cls(specs, offset, lead_nbytes)
 
     def to_json(self) -> list:
         return [list(s) for s in self.specs]

@@ -2,8 +2,9 @@
 
 A thread polls `abort/{g}` every poll interval, so `aborted()` is a free check for the training thread,
 the snapshot engine and any collective being waited on; when it sees the abort it also runs `on_abort`
-(on NCCL: abort the communicator, which releases a training thread blocked in a kernel or a host sync,
-where no Python check can run). The same thread publishes this rank's heartbeat: a beat counter and the
+(comms.abandon_group: on NCCL it aborts the communicator, on gloo it shuts the group's connections down,
+which releases a training thread blocked in a kernel, a host sync or a synchronous collective of the
+script's own, where no Python check can run). The same thread publishes this rank's heartbeat: a beat counter and the
 training thread's progress (step, phase, whether it waits on peers). The coordinator fences a rank whose
 beat stops (SIGSTOP) or whose progress stops while it does not wait (spinning in the script).
 """
@@ -29,10 +30,12 @@ class Progress:
 
     def __init__(self) -> None:
         self.step, self.phase, self.waiting = 0, "start", False
+        self.marks = 0  # every mark is progress, even of the same phase (rank 0 evaluating: forward after forward)
         self.step_times: list[float] = []
 
     def mark(self, step: int, phase: str) -> None:
         self.step, self.phase, self.waiting = step, phase, False
+        self.marks += 1
 
     @contextmanager
     def waiting_for(self, what: str) -> Iterator[None]:
@@ -49,7 +52,7 @@ class Progress:
 
     def pulse(self, gen: int, beat: int) -> str:
         step_s = statistics.median(self.step_times) if self.step_times else None
-        return json.dumps({"gen": gen, "beat": beat, "step": self.step, "phase": self.phase,
+        return json.dumps({"gen": gen, "beat": beat, "step": self.step, "phase": self.phase, "marks": self.marks,
                            "waiting": self.waiting, "step_s": step_s})
 
 

@@ -1,9 +1,24 @@
-"""Tests for deadpool/runtime/comms.py: which error is whose (a failure of some rank, or the script's)."""
+"""Tests for deadpool/runtime/comms.py: which error is whose (a failure of some rank, or the script's),
+DDP's gradient-accumulation switches, and releasing a rank blocked in a synchronous gloo collective."""
+
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from deadpool.runtime.comms import CollectiveAborted, is_communication_error
+from deadpool.runtime.comms import (
+    CollectiveAborted,
+    DataParallel,
+    abandon_group,
+    is_communication_error,
+    join_group,
+)
 
 
 @pytest.mark.parametrize("error", [
@@ -28,3 +43,51 @@ def test_errors_of_the_communication_layer(error):
 ])
 def test_errors_of_the_script(error):
     assert not is_communication_error(error)
+
+
+def test_no_sync_turns_the_reduction_off_and_back_on():
+    model = DataParallel(torch.nn.Linear(2, 2))
+    with model.no_sync():
+        assert model.require_backward_grad_sync is False
+    assert model.require_backward_grad_sync is True
+    model.require_backward_grad_sync = False  # as DDP scripts set it before the last micro-step
+    with pytest.raises(KeyError), model.no_sync():
+        raise KeyError("the flag is restored even when the body raises")
+    assert model.require_backward_grad_sync is False
+
+
+def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]") -> None:
+    """Rank 1 waits in a synchronous barrier that rank 0 never enters; its watch-like thread abandons the group."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    join_group(store, "g0/", "gloo", rank, 2, timeout_s=60.0)
+    if rank == 0:
+        time.sleep(20)  # alive, connected, never in the barrier
+        return
+    threading.Timer(0.5, abandon_group).start()
+    start = time.monotonic()
+    try:
+        dist.barrier()
+        out.put("barrier returned")
+    except RuntimeError as error:
+        out.put(f"{time.monotonic() - start:.2f} {is_communication_error(error)}")
+    os._exit(0)  # the abandoned group must not be destroyed at exit
+
+
+def test_abandon_group_releases_a_synchronous_gloo_collective():
+    """gloo cannot abort: the group's connections are shut down, and the blocked call fails at once with an
+    error of the communication layer (a failure to recover from), long before the 60 s collective timeout."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [ctx.Process(target=_blocked_in_barrier, args=(rank, port, out)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        seconds, placed = out.get(timeout=30).split()
+        assert float(seconds) < 5 and placed == "True"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(10)

@@ -222,3 +222,17 @@ def test_sha256_sees_tensor_shape():
     a = state_sha256({"x": Box({"t": torch.arange(6.0).reshape(2, 3)})})
     b = state_sha256({"x": Box({"t": torch.arange(6.0).reshape(3, 2)})})
     assert a != b
+
+
+def test_layout_places_lead_tensors_first_and_keeps_their_index():
+    tensors = [torch.zeros(3), torch.zeros(5, dtype=torch.float64), torch.zeros(2), torch.zeros(7, dtype=torch.int8)]
+    layout = Layout.of(tensors, lead=[False, True, False, True])
+    offsets = [spec[2] for spec in layout.specs]
+    assert offsets[1] == 0 and offsets[3] == ALIGN  # the lead ones, in order, from the start
+    assert layout.lead_nbytes == 2 * ALIGN  # both fit in one aligned block each
+    assert min(offsets[0], offsets[2]) == layout.lead_nbytes
+    assert [spec[1] for spec in layout.specs] == [(3,), (5,), (2,), (7,)]  # index i is still tensor i
+
+
+def test_layout_without_lead_has_an_empty_lead_region():
+    assert Layout.of([torch.zeros(3)]).lead_nbytes == 0
