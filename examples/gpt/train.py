@@ -29,20 +29,31 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--log-samples", action="store_true", help="record each step's sample ids in the events")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (spares compile while waiting)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
-    session = deadpool.init()  # DeadPool: instead of dist.init_process_group("gloo"); seeds Python's and NumPy's RNGs
-
     text = load_text(args.data)
     tokenizer = CharTokenizer(text)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
-    model = session.wrap(GPT(config))  # DeadPool: instead of DistributedDataParallel(GPT(config))
+
+    def build() -> torch.nn.Module:
+        return torch.compile(GPT(config)) if args.compile else GPT(config)
+
+    def warm_up() -> None:
+        """What a spare runs while it waits: the compiled model's first forward and backward, at the
+        training shapes, so that the model it builds once called runs compiled code at once."""
+        x = torch.zeros(args.batch_size, args.block_size, dtype=torch.long)
+        build()(x, x)[1].backward()
+
+    # DeadPool: instead of dist.init_process_group("gloo"); seeds Python's and NumPy's RNGs
+    session = deadpool.init(warmup=warm_up if args.compile else None)
+    model = session.wrap(build())  # DeadPool: instead of DistributedDataParallel(GPT(config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sampler = BatchSampler(num_tokens=len(tokens), block_size=args.block_size, batch_size=args.batch_size,
                            rank=session.rank, world_size=session.world_size, seed=args.seed)

@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 import time
+from typing import Any, Callable
 
 from deadpool.errors import ProtocolError
 from deadpool.runtime.context import Context, connect
@@ -72,8 +73,9 @@ def _warm_up() -> None:
 class Standby:
     """The spare's loop between start and activation."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, warmup: Callable[[], Any] | None = None) -> None:
         self.ctx = ctx
+        self.warmup = warmup  # the script's warm-up (deadpool.init(warmup=...)), run once while holding
         self.slots: dict[int, list[Slot]] = {}  # rank -> its replica slots (kept until no plan needs them)
         self.receivers: list[_Receiver] = []
 
@@ -100,6 +102,17 @@ class Standby:
                 self.slots.setdefault(rank, [Slot(), Slot()])
             self.receivers = [_Receiver(ctx, inc, r, self.slots[r]) for r in held]
             ctx.events.emit("spare_holding", ranks=held)
+            self._warm_up_script()
+
+    def _warm_up_script(self) -> None:
+        """Runs the script's warm-up once, on this (main) thread, while the receivers keep receiving in
+        theirs; a plan published meanwhile is acted on when it is done."""
+        if self.warmup is None:
+            return
+        warmup, self.warmup = self.warmup, None
+        start = time.monotonic()
+        warmup()
+        self.ctx.events.emit("spare_warmed_up", duration_s=time.monotonic() - start)
 
     def _next_generation(self, gen: int) -> int:
         """Waits, for as long as the job runs, until the coordinator publishes a generation after `gen`.

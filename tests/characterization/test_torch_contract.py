@@ -8,6 +8,7 @@ import textwrap
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +136,37 @@ def test_gloo_sigkill_reaches_some_peers_at_once_and_others_only_at_timeout(stor
     first, second, last = sorted(float(outs[r]) for r in (0, 1, 3))
     assert second - first < 1.0, outs  # both neighbours of the dead rank notice at once
     assert last - first >= 3.0, outs  # the third waits for the timeout: it must be released another way
+
+
+COMPILE_REUSE = textwrap.dedent("""
+    import sys
+    import torch
+    from torch._dynamo import callback
+    sys.path.insert(0, sys.argv[1])
+    from model import GPT, GPTConfig
+
+    compiles = []
+    callback.on_compile_start(lambda _: compiles.append(1))
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    x = torch.zeros(2, 16, dtype=torch.long)
+    torch.compile(GPT(config))(x, x)[1].backward()  # a spare's warm-up: a throwaway model
+    warm = len(compiles)
+    model = torch.compile(GPT(config))  # the model the script builds once the spare is called
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(x, x)[1].backward()
+    optimizer.step()
+    print(warm, len(compiles) - warm)
+""")
+
+
+def test_a_fresh_model_of_a_compiled_class_reuses_its_compiled_code(tmp_path) -> None:
+    """deadpool.init(warmup=...) relies on it: torch.compile's code is cached on the model class's forward,
+    with guards a new instance of the same class at the same shapes passes, so a spare that compiled a
+    throwaway model while waiting runs the real one without compiling again."""
+    script = tmp_path / "reuse.py"
+    script.write_text(COMPILE_REUSE)
+    example = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+    done = subprocess.run([sys.executable, str(script), str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warm, again = map(int, done.stdout.split())
+    assert warm >= 1 and again == 0, f"warm-up compiled {warm} frame(s), the real model {again} more"

@@ -9,7 +9,9 @@ loss, the step at which every rank stopped.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from deadpool.config import Fault
-from tests.integration.conftest import REPO, Job, run_job
+from tests.integration.conftest import REPO, SMALL, Background, Job, run_job
 
 EXAMPLE = REPO / "examples" / "gpt"
 PLAIN, PORT = EXAMPLE / "train_ddp.py", EXAMPLE / "train_ddp_deadpool.py"
@@ -183,3 +185,22 @@ def test_divergence_can_be_a_warning(tmp_path: Path) -> None:
     assert job.code == 0
     steps = [e["step"] for e in job.named("divergence")]
     assert steps and steps == sorted(set(steps)) and all(e["action"] == "warn" for e in job.named("divergence"))
+
+
+# ---- torch.compile -----------------------------------------------------------------------------------------
+
+def test_a_spare_compiles_while_it_waits_and_a_compiled_job_swaps_bit_for_bit(tmp_path: Path) -> None:
+    """The spare runs the script's warm-up (a compiled throwaway GPT) on standby; a worker SIGKILLed after
+    that is replaced by it, and the compiled run ends bit for bit as the failure-free compiled run."""
+    args, steps = (*SMALL, "--compile", "--log-every", "1000"), 200
+    reference = run_job(tmp_path / "reference", steps=steps, workers=2, spares=1, script_args=args)
+    assert reference.code == 0, reference.summary
+    job = Background(tmp_path / "swap", steps=steps, workers=2, spares=1, script_args=args,
+                     script=SCRIPTS / "slow_steps.py", script_prefix=("0.1",))
+    job.wait_for(lambda e: e["event"] == "spare_warmed_up", timeout_s=180)
+    os.kill(job.pid("w1"), signal.SIGKILL)
+    swapped = job.join(timeout_s=240)
+    assert swapped.code == 0 and swapped.summary["swaps"] == 1
+    (fault,) = [e for e in swapped.events if e["event"] == "failure_detected"]
+    assert [e for e in swapped.events if e["event"] == "spare_warmed_up"][0]["t"] < fault["t"]
+    assert swapped.summary["final_state_sha256"] == reference.summary["final_state_sha256"]

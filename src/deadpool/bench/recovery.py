@@ -86,7 +86,9 @@ def recovery_row(system: str, rep: int, events: list[dict[str, Any]],
     resumed_from = min(e["step"] for e in after) - 1 if after else None
     to_next = None if next_step is None else next_step["t"] - fault["t"]
     trained, expected = trained_samples(events), trained_samples(reference)
+    warmed = [e["t"] for e in events if e["event"] == "spare_warmed_up"]
     return {"system": system, "fault": fault["kind"], "rep": rep, "kill_step": fault["step"],
+            "spare_warm_before_fault": min(warmed) < fault["t"] if warmed else None,
             "resumed_from": resumed_from, "fault_to_next_step_s": to_next, "kill_to_next_step_s": to_next,
             "kill_to_frontier_s": None if frontier is None else frontier["t"] - fault["t"],
             "steps_lost": None if resumed_from is None else max(0, completed_before - resumed_from),
@@ -161,7 +163,10 @@ def compare(out: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
         ("deadpool", "deadpool", lambda run_dir, f: _deadpool(run_dir, args.workers, args.steps, f, (), wait)),
         (f"torchrun+dcp(every {args.ckpt_every})", "torchrun",
          lambda run_dir, f: _torchrun(run_dir, args.workers, args.steps, f, args.ckpt_every, wait))]
-    if not args.no_torchft:
+    if args.compile:  # the same job with torch.compile, its spare compiling while it waits; no baselines
+        systems[1] = ("deadpool+compile", "deadpool-compile",
+                      lambda run_dir, f: _deadpool(run_dir, args.workers, args.steps, f, ("--compile",), wait))
+    elif not args.no_torchft:
         if torchft_available():
             name = "torchft" if args.torchft_timeout == 5.0 else f"torchft(timeouts {args.torchft_timeout:g} s)"
             systems.append((name, "torchft", lambda run_dir, f: _torchft(run_dir, args.workers, args.steps, f,

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     recovery.add_argument("--reps", type=int, default=3)
     recovery.add_argument("--no-scaling", action="store_true", help="skip recovery vs world size and state size")
     recovery.add_argument("--no-torchft", action="store_true", help="skip torchft (skipped anyway if not installed)")
+    recovery.add_argument("--compile", action="store_true",
+                          help="DeadPool with and without torch.compile (the spare compiles while it waits), "
+                               "instead of the baselines; use a kill step late enough for the spare to be warm")
     recovery.add_argument("--torchft-timeout", type=float, default=5.0,
                           help="torchft's heartbeat and gloo timeouts in s (its defaults: 5); lower recovers sooner")
     recovery.add_argument("--faults", default="kill,hang",

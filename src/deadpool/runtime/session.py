@@ -111,16 +111,21 @@ class StepVariables:
                 self.namespace[name] = value
 
 
-def init() -> "Session":
+def init(warmup: Callable[[], Any] | None = None) -> "Session":
     """Joins the job. A worker returns at once; a spare blocks here, holding other ranks' snapshots,
-    until it is given a rank (or exits with the job if it never is)."""
+    until it is given a rank (or exits with the job if it never is).
+
+    `warmup`: what a spare runs once while it waits, so that a swap does not pay for it: typically a
+    throwaway model like the real one, compiled, through one forward and backward at the training
+    shapes (torch.compile's code is kept per model class and reused by the model built after the
+    spare is called). Workers do not run it."""
     ctx = Context.from_environment()
     ctx.store.set(ctx.keys.started(ctx.proc), "1")
     ctx.events.emit("process_start", argv=sys.argv)
     if ctx.role == "spare":
         from deadpool.spare import Standby
 
-        inc, held = Standby(ctx).run()
+        inc, held = Standby(ctx, warmup).run()
         session = Session(ctx, inc, held=held)
         # Hand over, receive and report this rank's replicas and join the group now; the script then builds
         # its model, and session.run() restores into it with the same state machine as the survivors.
@@ -226,6 +231,7 @@ class Session:
                               "(DeadPool snapshots while the next step runs, and must know when the weights change)")
         self._variables = StepVariables(train_step)
         self._tree = {**objects, "rng": RNGState(), "deadpool": self, "variables": self._variables}
+        _count_compilation_as_waiting(self.progress)
         try:
             state_sha256({"variables": self._variables})  # values DeadPool cannot snapshot fail here, not mid-run
         except ConfigError as error:
@@ -484,6 +490,27 @@ class Session:
             finish(dist.all_gather(everyone, mine, async_op=True), self.watch.aborted)
         if any(not torch.equal(other, mine) for other in everyone):
             raise ProtocolError(f"ranks disagree on the restored state: {[t.tolist() for t in everyone]}")
+
+
+def _count_compilation_as_waiting(progress: Progress) -> None:
+    """torch.compile's first step can take minutes, one rank finishing before another: a rank compiling
+    is marked as waiting, so the hang detector does not fence it (its heartbeat still shows it alive)."""
+    if "torch._dynamo" not in sys.modules:  # imported by creating an optimizer, so present in practice
+        return
+    from torch._dynamo import callback
+
+    saved: list[tuple[str, bool]] = []
+
+    def start(_: Any) -> None:
+        saved.append((progress.phase, progress.waiting))
+        progress.phase, progress.waiting = "compile", True
+
+    def end(_: Any) -> None:
+        if saved:
+            progress.phase, progress.waiting = saved.pop()
+
+    callback.on_compile_start(start)
+    callback.on_compile_end(end)
 
 
 def _report_script_errors(session: Session) -> None:

@@ -36,7 +36,7 @@ def torchrun_like() -> list[dict]:
 
 def test_row_for_a_restart_from_an_older_checkpoint():
     row = recovery_row("torchrun", 1, torchrun_like(), REFERENCE)
-    assert row == {"system": "torchrun", "fault": "kill", "rep": 1, "kill_step": 6, "resumed_from": 3,
+    assert row == {"system": "torchrun", "fault": "kill", "rep": 1, "kill_step": 6, "spare_warm_before_fault": None, "resumed_from": 3,
                    "fault_to_next_step_s": 9.0 - 5.5, "kill_to_next_step_s": 9.0 - 5.5,
                    "kill_to_frontier_s": 11.0 - 5.5,
                    "steps_lost": 2, "samples_lost": 0, "samples_unexpected": 0, "bitwise_equal": True}
@@ -85,7 +85,7 @@ def test_row_measures_from_a_hang_like_from_a_kill():
 
 def test_row_of_a_run_that_never_recovered_has_no_times():
     row = recovery_row("torchrun", 0, stalled_after_hang(), REFERENCE)
-    assert row == {"system": "torchrun", "fault": "hang", "rep": 0, "kill_step": 6, "resumed_from": None,
+    assert row == {"system": "torchrun", "fault": "hang", "rep": 0, "kill_step": 6, "spare_warm_before_fault": None, "resumed_from": None,
                    "fault_to_next_step_s": None, "kill_to_next_step_s": None, "kill_to_frontier_s": None,
                    "steps_lost": None, "samples_lost": 3,  # steps 6..8 never trained
                    "samples_unexpected": 0, "bitwise_equal": False}  # no finished event
@@ -150,7 +150,7 @@ def torchft_like() -> tuple[list[dict], list[dict]]:
 def test_row_for_torchft_counts_skipped_batches_by_sample_id():
     events, reference = torchft_like()
     row = recovery_row("torchft", 0, events, reference)
-    assert row == {"system": "torchft", "fault": "kill", "rep": 0, "kill_step": 4, "resumed_from": 3,
+    assert row == {"system": "torchft", "fault": "kill", "rep": 0, "kill_step": 4, "spare_warm_before_fault": None, "resumed_from": 3,
                    "fault_to_next_step_s": 8.5 - 3.5, "kill_to_next_step_s": 8.5 - 3.5,
                    "kill_to_frontier_s": 8.5 - 3.5, "steps_lost": 0,
                    "samples_lost": 4,  # replica 0's discarded batch 4; replica 1's 4 (in flight), 5 and 6

@@ -1,0 +1,24 @@
+"""The example trainer with every forward pass of the GPT slowed by SECONDS (a sleep: the numbers are
+untouched), so that a test can act while the job runs. Usage: slow_steps.py SECONDS [example args...]
+"""
+
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt" / "train.py"
+pause = float(sys.argv[1])
+
+
+def slow(module: torch.nn.Module, _args: object) -> None:
+    if type(module).__name__ == "GPT":
+        time.sleep(pause)
+
+
+torch.nn.modules.module.register_module_forward_pre_hook(slow)
+sys.path.insert(0, str(EXAMPLE.parent))
+sys.argv = [str(EXAMPLE), *sys.argv[2:]]
+runpy.run_path(str(EXAMPLE), run_name="__main__")
