@@ -46,10 +46,11 @@ def main() -> None:
         return torch.compile(GPT(config)) if args.compile else GPT(config)
 
     def warm_up() -> None:
-        """What a spare runs while it waits: the compiled model's first forward and backward, at the
-        training shapes, so that the model it builds once called runs compiled code at once."""
-        x = torch.zeros(args.batch_size, args.block_size, dtype=torch.long)
-        build()(x, x)[1].backward()
+        """What a spare runs while it waits: the compiled model's first forward and backward on a batch
+        like training's (same shapes, and inputs distinct from targets: torch.compile guards on both),
+        so that the model it builds once called runs compiled code at once."""
+        x, y = make_batch(tokens, list(range(args.batch_size)), args.block_size)
+        build()(x, y)[1].backward()
 
     # DeadPool: instead of dist.init_process_group("gloo"); seeds Python's and NumPy's RNGs
     session = deadpool.init(warmup=warm_up if args.compile else None)

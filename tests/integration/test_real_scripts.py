@@ -203,4 +203,7 @@ def test_a_spare_compiles_while_it_waits_and_a_compiled_job_swaps_bit_for_bit(tm
     assert swapped.code == 0 and swapped.summary["swaps"] == 1
     (fault,) = [e for e in swapped.events if e["event"] == "failure_detected"]
     assert [e for e in swapped.events if e["event"] == "spare_warmed_up"][0]["t"] < fault["t"]
+    (activated,) = swapped.named("spare_activated")
+    late = [e for e in swapped.named("compiled") if e["proc"] == "s0" and e["t"] > activated["t"]]
+    assert not late, f"the spare compiled again after it was called: {late}"
     assert swapped.summary["final_state_sha256"] == reference.summary["final_state_sha256"]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from deadpool.coordinator.protocol import torchrun_env
 from deadpool.errors import ConfigError, DeadPoolError, ProtocolError, SwapAborted, WorkerFailure
+from deadpool.events import EventLog
 from deadpool.runtime.comms import (
     CollectiveAborted,
     DataParallel,
@@ -231,7 +232,7 @@ class Session:
                               "(DeadPool snapshots while the next step runs, and must know when the weights change)")
         self._variables = StepVariables(train_step)
         self._tree = {**objects, "rng": RNGState(), "deadpool": self, "variables": self._variables}
-        _count_compilation_as_waiting(self.progress)
+        _count_compilation_as_waiting(self.progress, self.ctx.events)
         try:
             state_sha256({"variables": self._variables})  # values DeadPool cannot snapshot fail here, not mid-run
         except ConfigError as error:
@@ -492,22 +493,25 @@ class Session:
             raise ProtocolError(f"ranks disagree on the restored state: {[t.tolist() for t in everyone]}")
 
 
-def _count_compilation_as_waiting(progress: Progress) -> None:
+def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:
     """torch.compile's first step can take minutes, one rank finishing before another: a rank compiling
-    is marked as waiting, so the hang detector does not fence it (its heartbeat still shows it alive)."""
+    is marked as waiting, so the hang detector does not fence it (its heartbeat still shows it alive).
+    Each compilation is logged: one on a spare after `spare_activated` means its warm-up did not match
+    training (TORCH_LOGS=recompiles says which guard failed)."""
     if "torch._dynamo" not in sys.modules:  # imported by creating an optimizer, so present in practice
         return
     from torch._dynamo import callback
 
-    saved: list[tuple[str, bool]] = []
+    saved: list[tuple[str, bool, float]] = []
 
     def start(_: Any) -> None:
-        saved.append((progress.phase, progress.waiting))
+        saved.append((progress.phase, progress.waiting, time.monotonic()))
         progress.phase, progress.waiting = "compile", True
 
     def end(_: Any) -> None:
         if saved:
-            progress.phase, progress.waiting = saved.pop()
+            progress.phase, progress.waiting, started = saved.pop()
+            events.emit("compiled", step=progress.step, duration_s=time.monotonic() - started)
 
     callback.on_compile_start(start)
     callback.on_compile_end(end)
