@@ -182,7 +182,7 @@ def leave_group() -> None:
 
     For gloo this does not reliably close the group's sockets at once (measured on torch 2.13: after
     a failed step they stayed open), so peers blocked on this process are released by the
-    coordinator's abort instead (see finish), not by a broken connection.
+    coordinator's abort instead (finish, and abandon_group, which every member runs on the abort).
     """
     _group_sockets.clear()
     if not dist.is_initialized():

@@ -86,7 +86,6 @@ class StepVariables:
         self.cells = {name: cells[name] for op, name in sorted(set(stored)) if op == "STORE_DEREF" and name in cells}
         self.globals = sorted({name for op, name in stored if op == "STORE_GLOBAL"})
         self.namespace = fn.__globals__
-        self.function = fn.__name__
 
     def names(self) -> list[str]:
         return [*self.cells, *self.globals]
@@ -340,9 +339,10 @@ class Session:
         flag = torch.tensor([int(self._stop_requested)], dtype=torch.int64, device=self.device)
         with self.progress.waiting_for("stop"):
             finish(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), self.watch.aborted)
-        if flag.item() and self.rank == 0:
+        stopped = bool(flag.item())
+        if stopped and self.rank == 0:
             self.ctx.events.emit("stopped", step=self.step, reason="session.stop()")
-        return bool(flag.item())
+        return stopped
 
     def _choose_interval(self) -> None:
         """`auto`: the densest interval whose snapshot cost stays within the budget; ranks take the max.
