@@ -126,11 +126,17 @@ class BatchSampler:
         self.cursor = cursor
 
 
+CPU = torch.device("cpu")
+
+
 def make_batch(
-    tokens: torch.Tensor, sample_ids: list[int], block_size: int
+    tokens: torch.Tensor, sample_ids: list[int], block_size: int, device: torch.device = CPU
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut the given samples out of the 1-D token stream as inputs x and next-token targets y."""
+    """Cut the given samples out of the 1-D token stream as inputs x and next-token targets y, on the
+    model's device (on a GPU through pinned memory, so the copy does not stall the host)."""
     starts = [i * block_size for i in sample_ids]
-    x = torch.stack([tokens[s : s + block_size] for s in starts])  # (B, T)
-    y = torch.stack([tokens[s + 1 : s + 1 + block_size] for s in starts])  # (B, T), shifted by one
-    return x.long(), y.long()
+    x = torch.stack([tokens[s : s + block_size] for s in starts]).long()  # (B, T)
+    y = torch.stack([tokens[s + 1 : s + 1 + block_size] for s in starts]).long()  # (B, T), shifted by one
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

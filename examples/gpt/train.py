@@ -65,7 +65,7 @@ def main() -> None:
 
     def train_step(step: int) -> torch.Tensor:  # DeadPool: was `for step in range(1, args.steps + 1):`
         sample_ids = sampler.next_batch()
-        x, y = make_batch(tokens, sample_ids, args.block_size)
+        x, y = make_batch(tokens, sample_ids, args.block_size, session.device)  # the model's device (GPU or CPU)
         _, loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -50,6 +50,10 @@ class JobConfig:
     settle_s: failures that arrive within this window of the first are recovered as one set.
     on_divergence: what the coordinator does when data-parallel replicas stop being bit-identical.
     seed: seeds Python's and NumPy's global RNGs in every process (plus its rank), and PYTHONHASHSEED.
+    gpus_per_node: GPUs the processes of this node share out (coordinator/policy.place_devices); None
+    counts the visible ones at launch, 0 trains on the CPU.
+    deterministic: makes a replayed step compute the same bits on a GPU (torch's deterministic kernels,
+    cuBLAS's fixed workspace, cuDNN without autotuning); the CPU kernels are deterministic already.
     hang_timeout_s: a rank that makes no progress this long while its peers wait is fenced; None
     adapts it to the job (coordinator/policy.py: hang_timeout).
     """
@@ -68,6 +72,8 @@ class JobConfig:
     backlog_policy: str = "wait"
     on_divergence: str = "stop"
     seed: int = 0
+    gpus_per_node: int | None = None
+    deterministic: bool = True
     poll_interval_s: float = 0.02
     settle_s: float = 0.05
     hang_timeout_s: float | None = None
@@ -93,6 +99,8 @@ class JobConfig:
             raise ConfigError(f"--backlog-policy must be one of {BACKLOG_POLICIES}, got {self.backlog_policy!r}")
         if self.on_divergence not in DIVERGENCE_ACTIONS:
             raise ConfigError(f"--on-divergence must be one of {DIVERGENCE_ACTIONS}, got {self.on_divergence!r}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise ConfigError(f"--gpus-per-node must be 0 or more, got {self.gpus_per_node}")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"--seed must be in [0, 2**32), got {self.seed}")
         # Each deadline must leave room for the one it waits on.

@@ -1,5 +1,6 @@
 """Tests for the GPT example model and its data pipeline."""
 
+import ast
 import math
 from pathlib import Path
 
@@ -190,6 +191,20 @@ def test_make_batch_cuts_windows_and_shifted_targets() -> None:
     assert x.dtype == y.dtype == torch.long
     assert x.tolist() == [list(range(24, 32)), list(range(0, 8))]
     assert y.tolist() == [list(range(25, 33)), list(range(1, 9))]
+
+
+def test_make_batch_puts_the_batch_on_the_given_device() -> None:
+    x, y = make_batch(torch.arange(100), [3, 0], block_size=8, device=torch.device("meta"))
+    assert x.device.type == y.device.type == "meta" and x.shape == y.shape == (2, 8)
+
+
+def test_the_example_trains_on_batches_on_the_sessions_device() -> None:
+    """On a GPU the model lives on session.device: every batch the training step builds must go there too
+    (a CPU batch would fail at step 1, and be replayed on a spare into the same error)."""
+    tree = ast.parse((Path(__file__).parents[2] / "examples" / "gpt" / "train.py").read_text())
+    [step] = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "train_step"]
+    calls = [c for c in ast.walk(step) if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "make_batch"]
+    assert calls and all(ast.unparse(c.args[3]) == "session.device" for c in calls)
 
 
 # The sampler tests use 100 samples and a global batch of 4 x 3 = 12:

@@ -65,6 +65,7 @@ def test_config_error_is_a_value_error():
     (dict(workers=0), "--workers must be at least 1, got 0"),
     (dict(spares=-1), "--spares must be 0 or more, got -1"),
     (dict(backend="mpi"), "--backend must be auto, gloo or nccl, got 'mpi'"),
+    (dict(gpus_per_node=-1), "--gpus-per-node must be 0 or more, got -1"),
     (dict(snapshot_every=-1), "--snapshot-every must be a step count >= 0 (0 = off) or 'auto', got -1"),
     (dict(snapshot_every="often"), "--snapshot-every must be a step count >= 0 (0 = off) or 'auto', got 'often'"),
     (dict(snapshot_every=True), "--snapshot-every must be a step count >= 0 (0 = off) or 'auto', got True"),

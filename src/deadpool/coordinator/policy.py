@@ -3,7 +3,8 @@
 The coordinator's loop (server.py) gathers the inputs, calls these, applies the decision and logs its
 reason: how a process ended (classify_exit), who replaces whom (plan_after_failures), which step is
 committed (commit_step), whether data-parallel replicas still agree (check_replicas), who is hung
-(hang_verdict, hang_timeout), which step to restore (choose_restore_step).
+(hang_verdict, hang_timeout), which step to restore (choose_restore_step); and, for the launcher,
+which GPU each process gets (place_devices).
 """
 
 from __future__ import annotations
@@ -75,6 +76,26 @@ def place_replicas(world_size: int, spares: tuple[str, ...]) -> tuple[tuple[str,
     if not spares:
         return tuple(() for _ in range(world_size))
     return tuple((spares[r % len(spares)],) for r in range(world_size))
+
+
+def place_devices(workers: int, spares: int, gpus: int) -> Decision[tuple[int | None, ...]]:
+    """The GPU of each process on a node (workers first, then spares, in spawn order); None: no GPU.
+
+    NCCL allows one rank per GPU, so every worker needs its own. Spares take the GPUs left over, so a
+    spare that is called uses its own device and never lands on the failed one (which may be broken).
+    A spare left without one holds replicas in host memory only and, when called, takes the GPU of the
+    rank it replaces, which that rank's dead process has freed (the same host: runtime/session.py)."""
+    if gpus == 0:
+        return Decision(tuple([None] * (workers + spares)), "no GPU: every process trains on the CPU (gloo)")
+    if gpus < workers:
+        return Decision(None, f"{workers} workers need {workers} GPUs (NCCL runs one rank per GPU) but the node has "
+                              f"{gpus}: use --workers {gpus}, --gpus-per-node, or --backend gloo")
+    own = min(spares, gpus - workers)
+    devices = (*range(workers), *range(workers, workers + own), *[None] * (spares - own))
+    if own == spares:
+        return Decision(devices, f"one GPU per process: workers on 0..{workers - 1}, spares on their own")
+    return Decision(devices, f"{spares - own} of {spares} spares have no GPU of their own: they hold replicas in "
+                             "host memory and take over the GPU of the rank they replace")
 
 
 def initial_plan(world_size: int, spares: tuple[str, ...], replicate: bool = True) -> Plan:

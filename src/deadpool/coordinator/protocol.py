@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 # Process identity travels in the environment; everything else is in the config file it names.
 ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
+ENV_DEVICE = "DEADPOOL_DEVICE"  # this process's GPU index, empty for none (coordinator/policy.place_devices)
 
 
 def torchrun_env(rank: int, world_size: int) -> dict[str, str]:
@@ -110,6 +111,10 @@ class Keys:
 
     def heartbeat(self, proc: str) -> str:
         return self._k(f"hb/{proc}")
+
+    def device(self, proc: str) -> str:
+        """The GPU a process trains on: a spare without one of its own takes the device of the rank it replaces."""
+        return self._k(f"device/{proc}")
 
     def script_error(self, proc: str) -> str:
         return self._k(f"error/{proc}")

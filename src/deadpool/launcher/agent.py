@@ -10,12 +10,34 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Mapping, TextIO
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE, torchrun_env
+from deadpool.coordinator.policy import place_devices
+from deadpool.coordinator.protocol import ENV_CONFIG, ENV_DEVICE, ENV_PROC, ENV_ROLE, torchrun_env
 
 _print_lock = threading.Lock()
+
+
+def process_env(config: JobConfig, config_path: Path, name: str, role: str, rank: int,
+                inherited: Mapping[str, str]) -> dict[str, str]:
+    """The environment of one training process: its identity (DeadPool's and torchrun's), its GPU, and
+    the settings its correctness depends on. Values the user set win, except NCCL's error handling."""
+    device = None
+    if config.gpus_per_node:
+        devices = place_devices(config.workers, config.spares, config.gpus_per_node).value
+        device = devices[rank] if devices else None
+    env = {**inherited, ENV_CONFIG: str(config_path), ENV_PROC: name, ENV_ROLE: role,
+           ENV_DEVICE: "" if device is None else str(device), "PYTHONUNBUFFERED": "1",
+           **torchrun_env(rank, config.world_size)}
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host must not oversubscribe
+    env.setdefault("PYTHONHASHSEED", str(config.seed))  # str hashes, hence set order, the same every run
+    # DeadPool aborts a failed generation's communicator itself (runtime/comms.abandon_group); NCCL's watchdog
+    # must neither abort it first nor kill the process, as torch asks of callers of abort.
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    if config.deterministic:
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: deterministic GEMMs
+    return env
 
 
 @dataclass
@@ -46,10 +68,7 @@ class Agent:
 
     def spawn(self, name: str, role: str, rank: int) -> Child:
         """Starts one process as `rank` (a spare: a placeholder rank past the workers')."""
-        env = {**os.environ, ENV_CONFIG: str(self.config_path), ENV_PROC: name, ENV_ROLE: role,
-               "PYTHONUNBUFFERED": "1", **torchrun_env(rank, self.config.world_size)}
-        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host must not oversubscribe
-        env.setdefault("PYTHONHASHSEED", str(self.config.seed))  # str hashes, hence set order, the same every run
+        env = process_env(self.config, self.config_path, name, role, rank, os.environ)
         popen = subprocess.Popen([sys.executable, "-u", self.config.script, *self.config.script_args], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, errors="replace")

@@ -50,7 +50,12 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                    help="when data-parallel replicas stop being bit-identical: stop the job, or warn and go on")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds Python's and NumPy's RNGs (plus the rank) in init(), and PYTHONHASHSEED")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: NCCL with one GPU per worker when there are GPUs, else gloo on the CPU")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs to use (default: all visible); workers get one each, spares the rest")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="deterministic GPU kernels, so a replayed step gives the same bits (default: on)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address the coordinator's store listens on")
     p.add_argument("--master-port", type=int, default=0, help="port of the coordinator's store (0 = any free)")
     p.add_argument("--settle-window", type=float, default=0.05,
@@ -69,7 +74,8 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
                faults: list[Fault] | None = None, **overrides: object) -> JobConfig:
     fields = dict(script=script, script_args=tuple(script_args), workers=args.workers, spares=args.spares,
                   run_dir=str(run_dir), store_host=args.master_addr, store_port=args.master_port,
-                  backend=args.backend, snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
+                  backend=args.backend, gpus_per_node=args.gpus_per_node, deterministic=args.deterministic,
+                  snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
                   backlog_policy=args.backlog_policy, on_divergence=args.on_divergence, seed=args.seed,
                   settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
                   decision_timeout_s=args.decision_timeout, recovery_timeout_s=args.recovery_timeout,

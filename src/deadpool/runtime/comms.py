@@ -18,16 +18,17 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 import torch.distributed as dist
 
-from deadpool.errors import ProtocolError
+from deadpool.errors import ConfigError, ProtocolError
 
 
-def pick_backend(requested: str, rank: int) -> tuple[str, torch.device]:
-    """NCCL and this rank's GPU (rank mod GPUs on this host: one GPU per worker) when there is one,
-    else gloo on the CPU. The same code path serves both; only the device differs."""
-    use_cuda = requested == "nccl" or (requested == "auto" and torch.cuda.is_available())
-    if not use_cuda:
+def pick_backend(requested: str, device_index: int | None) -> tuple[str, torch.device]:
+    """NCCL on GPU `device_index` (the launcher's placement: coordinator/policy.place_devices) when this
+    process has one, else gloo on the CPU. The same code path serves both; only the device differs."""
+    if requested == "gloo" or device_index is None:
+        if requested == "nccl":
+            raise ConfigError("--backend nccl, but this process was given no GPU (see --gpus-per-node)")
         return "gloo", torch.device("cpu")
-    device = torch.device("cuda", rank % torch.cuda.device_count())
+    device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
     return "nccl", device
 
@@ -51,44 +52,51 @@ def is_communication_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(word in str(error).lower() for word in _COMM_WORDS)
 
 
-def finish(work: dist.Work, interrupted: Callable[[], bool]) -> None:
-    """Waits for a collective, but gives it up as soon as `interrupted()` says the generation is over.
+def finish(work: Any, interrupted: Callable[[], bool], timeout_s: float) -> None:
+    """Waits for a collective until it has *completed*, and gives it up as soon as `interrupted()` says the
+    generation is over (or after `timeout_s`, the backstop).
 
     A peer that died is noticed by gloo at once only by the ranks connected to it in the current
     algorithm step; the others would wait for the full collective timeout. The coordinator's abort
-    releases them within a poll interval. The abandoned operation is never touched again. NCCL
-    completes a work's future when the kernel is enqueued, not when it ends, so there the work
-    itself is polled (and the watch aborts the communicator, which ends the kernel: abandon_group).
+    releases them within a poll interval. NCCL completes a work's future when the kernel is *enqueued*,
+    so the future alone says nothing: the work itself is polled until it reports completion (a finished
+    kernel, or an error), and the first host sync after this never blocks on a dead peer. The abandoned
+    operation is never touched again (the watch aborts the communicator: abandon_group).
     """
-    if dist.get_backend() == "nccl":
-        while not work.is_completed():
-            if interrupted():
-                raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
-            time.sleep(0.0005)
-        work.wait()
-        return
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
-    while not done.wait(0.02):
+    enqueued = threading.Event()
+    work.get_future().add_done_callback(lambda _: enqueued.set())
+    deadline, pause = time.monotonic() + timeout_s, 0.0002
+    while not (enqueued.wait(pause) and work.is_completed()):
         if interrupted():
             raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
+        if time.monotonic() > deadline:
+            raise CollectiveAborted(f"collective did not complete within the collective timeout ({timeout_s:g} s)")
+        pause = min(2 * pause, 0.02) if not enqueued.is_set() else 0.0005
     work.wait()
 
 
-def abandon_group() -> None:
+def abandon_group(device: torch.device) -> None:
     """Called from the watch thread when the generation is aborted: releases a training thread blocked in
-    the default group, in DeadPool's collectives or in the script's own (a metric all_reduce, a barrier).
+    the default group, in DeadPool's collectives or in the script's own (a metric all_reduce, a barrier),
+    without waiting for that thread.
 
-    NCCL: aborting the communicator ends its kernels and host syncs. gloo cannot abort (its abort is a
-    no-op), and a synchronous gloo call cannot be interrupted, so the group's TCP connections are shut
-    down instead: every pending and later operation of this group, here and at the peers connected to
-    this process, fails at once with a connection error, as if a peer had died. The group is never used
+    NCCL: aborting the communicator ends its kernels, so a host sync blocked on them (`loss.item()`)
+    returns and the next use of the group raises; the launcher turns NCCL's own error handling off
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=0, as torch asks of callers of abort), so its watchdog neither aborts
+    first nor kills the process. The communicator is not shrunk (ncclCommShrink): a generation replaces
+    dead ranks with spares, which a shrink cannot add, so each generation builds a fresh one.
+
+    gloo cannot abort (its abort is a no-op), and a synchronous gloo call cannot be interrupted, so the
+    group's TCP connections are shut down instead: every pending and later operation of this group, here
+    and at the peers connected to this process, fails at once with a connection error, as if a peer had
+    died. The group is never used
     again; the next generation joins a fresh one.
     """
     group: Any = dist.group.WORLD
     if not dist.is_initialized() or group is None:
         return
     if dist.get_backend() == "nccl":
+        torch.cuda.set_device(device)  # this thread's first CUDA call: never a stray context on GPU 0
         group.abort()
         return
     sockets = _socket_fds()
@@ -211,6 +219,7 @@ class DataParallel(torch.nn.Module):
         self.module = module
         self.attached = False
         self.interrupted: Callable[[], bool] = lambda: False  # this generation's abort check (attach sets it)
+        self.timeout_s = 60.0  # the collective timeout (attach sets it)
         self.waiting: Callable[[str], ContextManager[None]] = lambda _: nullcontext()
         self._queued = False
         self.require_backward_grad_sync = True  # DDP's switch for gradient accumulation, which scripts set
@@ -221,15 +230,15 @@ class DataParallel(torch.nn.Module):
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def attach(self, sync: bool, interrupted: Callable[[], bool],
-               waiting: Callable[[str], ContextManager[None]]) -> None:
-        """Starts averaging over the current default group, given up when `interrupted()`; `waiting`
-        marks the waits on peers. `sync` first copies rank 0's weights and buffers everywhere (job
-        start only: after a recovery every rank restored the same state)."""
-        self.attached, self.interrupted, self.waiting = True, interrupted, waiting
+               waiting: Callable[[str], ContextManager[None]], timeout_s: float) -> None:
+        """Starts averaging over the current default group, given up when `interrupted()` (or after
+        `timeout_s`); `waiting` marks the waits on peers. `sync` first copies rank 0's weights and buffers
+        everywhere (job start only: after a recovery every rank restored the same state)."""
+        self.attached, self.interrupted, self.waiting, self.timeout_s = True, interrupted, waiting, timeout_s
         if sync:
             with waiting("broadcast"):
                 for t in (*self.module.parameters(), *self.module.buffers()):
-                    finish(dist.broadcast(t.data, src=0, async_op=True), self.interrupted)
+                    finish(dist.broadcast(t.data, src=0, async_op=True), self.interrupted, self.timeout_s)
 
     def detach(self) -> None:
         self.attached = False
@@ -265,7 +274,7 @@ class DataParallel(torch.nn.Module):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / dist.get_world_size())
             with self.waiting("all_reduce"):
-                finish(dist.all_reduce(flat, async_op=True), self.interrupted)
+                finish(dist.all_reduce(flat, async_op=True), self.interrupted, self.timeout_s)
             offset = 0
             for p, g in zip(params, grads):
                 p.grad = flat[offset: offset + g.numel()].view_as(g)

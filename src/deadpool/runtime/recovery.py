@@ -173,8 +173,12 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
         source = inc.plan.source_of(rank)
         if source is not None:
             deadline = time.monotonic() + ctx.config.recovery_timeout_s
-            member.take(receive_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token, inc.generation,
-                                        ctx.config.collective_timeout_s, deadline, stopped))
+            slots, rejected = receive_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token, inc.generation,
+                                              ctx.config.collective_timeout_s, deadline, stopped)
+            for mismatch in rejected:
+                ctx.events.emit("replica_rejected", of_rank=rank, step=mismatch.step, source=source,
+                                error=str(mismatch))
+            member.take(slots)
             ctx.events.emit("replica_received", of_rank=rank, source=source)
         elif rank in held:
             member.take(held[rank])

@@ -27,6 +27,14 @@ MAGIC = 0x44504F4F4C  # "DPOOL"
 HEADER = 7
 
 
+class ChecksumMismatch(ProtocolError):
+    """A replica arrived with bytes that do not match its checksum; it is dropped, the stream goes on."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 def token_id(token: str) -> int:
     """The job token as a 62-bit integer that fits an int64 header field."""
     return int.from_bytes(hashlib.sha256(token.encode()).digest()[:8], "little") >> 2
@@ -78,8 +86,9 @@ class ReplicaReceiver:
     """A holder's end of one replica stream: keeps the rank's two newest snapshots in two slots."""
 
     def __init__(self, store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot],
-                 timeout_s: float) -> None:
+                 timeout_s: float, trusted: bool = False) -> None:
         self.group = pair_group(store, prefix, 1, timeout_s)
+        self.trusted = trusted  # checked for a recovery that uses it now (not kept for later): Slot.trusted
         self.store, self.prefix, self.received = store, prefix, 0
         self.token = token_id(token)
         self.gen = gen
@@ -108,34 +117,43 @@ class ReplicaReceiver:
         got = checksum(meta_bytes, slot.data)
         ok = int(got == crc)
         if ok:
-            slot.seal(step, meta_bytes, crc)
+            slot.seal(step, meta_bytes, crc, trusted=self.trusted)
         self.writing = None
         _wait(self.group.send([torch.tensor([step, got, ok], dtype=torch.int64)], 0, 3), self.timeout_s)
         if not ok:
-            raise ProtocolError(f"replica of snapshot {step} failed its checksum ({got:#x} != {crc:#x})")
+            raise ChecksumMismatch(step, f"replica of snapshot {step} failed its checksum ({got:#x} != {crc:#x})")
         return slot
 
 
 def send_replica(store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float) -> int:
-    """Recovery, holder -> taker: streams every intact snapshot of one rank to the process taking it over.
-    Returns how many were sent (a corrupted one is not: the taker then reports only what it got)."""
-    intact = sorted((s for s in slots if s.intact()), key=lambda s: s.step or 0)
-    store.set(f"{prefix}count", str(len(intact)))
-    if intact:
+    """Recovery, holder -> taker: streams every snapshot of one rank it holds to the process taking it over,
+    unchecked: the taker checks each on arrival anyway (the one pass over the bytes a transfer needs) and
+    keeps only those that pass. Returns how many the taker accepted."""
+    sealed = sorted((s for s in slots if s.step is not None), key=lambda s: s.step or 0)
+    store.set(f"{prefix}count", str(len(sealed)))
+    accepted = 0
+    if sealed:
         sender = ReplicaSender(store, prefix, token, gen, timeout_s)
-        for slot in intact:
-            sender.send(slot)
-    return len(intact)
+        for slot in sealed:
+            try:
+                sender.send(slot)
+                accepted += 1
+            except ProtocolError:  # corrupted in the holder's memory: the taker dropped it and reports the rest
+                pass
+    return accepted
 
 
 def receive_replica(store: dist.Store, prefix: str, token: str, gen: int, timeout_s: float, deadline: float,
-                    stopped: Callable[[], bool]) -> list[Slot]:
-    """The taker's end of send_replica: two fresh slots holding what the holder sent."""
+                    stopped: Callable[[], bool]) -> tuple[list[Slot], list[ChecksumMismatch]]:
+    """The taker's end of send_replica: two fresh slots holding what arrived intact, and what did not."""
     wait_for_key(store, f"{prefix}count", deadline, stopped=stopped)
     count = int(store.get(f"{prefix}count"))
-    slots = [Slot(), Slot()]
+    slots, rejected = [Slot(), Slot()], []
     if count:
-        receiver = ReplicaReceiver(store, prefix, token, gen, slots, timeout_s)
+        receiver = ReplicaReceiver(store, prefix, token, gen, slots, timeout_s, trusted=True)
         for _ in range(count):
-            receiver.receive_one(lambda: None, stopped)
-    return slots
+            try:
+                receiver.receive_one(lambda: None, stopped)
+            except ChecksumMismatch as error:
+                rejected.append(error)
+    return slots, rejected

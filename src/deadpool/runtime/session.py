@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deadpool.coordinator.protocol import torchrun_env
+from deadpool.coordinator.protocol import ENV_DEVICE, torchrun_env
 from deadpool.errors import ConfigError, DeadPoolError, ProtocolError, SwapAborted, WorkerFailure
 from deadpool.events import EventLog
 from deadpool.runtime.comms import (
@@ -58,20 +58,26 @@ ABORT_GRACE_S = 1.0  # an error of unknown origin counts as a failure if the gen
 
 
 class RNGState:
-    """Every random number generator a step may draw from: Python, NumPy, torch (and CUDA)."""
+    """Every random number generator a step may draw from: Python, NumPy, torch and this rank's GPU.
+
+    The GPU's generator is saved and restored by *this process's* device, not by index: a spare that
+    takes over a rank may run on another GPU than the one the snapshot was taken on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
     def state_dict(self) -> dict[str, Any]:
         state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
-        if "cuda" in state:
-            torch.cuda.set_rng_state_all(state["cuda"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
 
 
 class StepVariables:
@@ -148,7 +154,11 @@ class Session:
     def __init__(self, ctx: Context, inc: Incarnation, held: dict[int, list[Slot]] | None = None) -> None:
         self.ctx = ctx
         self.inc = inc
-        self.backend, self.device = pick_backend(ctx.config.backend, inc.my_rank())
+        self.backend, self.device = pick_backend(ctx.config.backend, _device_index(ctx, inc))
+        if self.device.type == "cuda":
+            ctx.store.set(ctx.keys.device(ctx.proc), str(self.device.index))
+            if ctx.config.deterministic:
+                _use_deterministic_kernels()
         self.step = 0
         every = ctx.config.snapshot_every
         self.calibrating = every == "auto"
@@ -230,7 +240,7 @@ class Session:
             raise ConfigError("register the optimizer before session.run(): session.register(optimizer=optimizer) "
                               "(DeadPool snapshots while the next step runs, and must know when the weights change)")
         self._variables = StepVariables(train_step)
-        self._tree = {**objects, "rng": RNGState(), "deadpool": self, "variables": self._variables}
+        self._tree = {**objects, "rng": RNGState(self.device), "deadpool": self, "variables": self._variables}
         _count_compilation_as_waiting(self.progress, self.ctx.events)
         try:
             state_sha256({"variables": self._variables})  # values DeadPool cannot snapshot fail here, not mid-run
@@ -266,16 +276,18 @@ class Session:
 
     def _enter(self) -> None:
         """Builds this generation's watch and joins its process group."""
-        self.watch = Watch(self.ctx, self.inc, self.progress, on_abort=abandon_group)
+        self.watch = Watch(self.ctx, self.inc, self.progress, on_abort=lambda: abandon_group(self.device))
         start = time.monotonic()
         join_group(self.ctx.store, self.inc.group_prefix(), self.backend, self.rank, self.world_size,
                    self.ctx.config.collective_timeout_s)
-        self.ctx.events.emit("group_joined", duration_s=time.monotonic() - start, world_size=self.world_size)
+        self.ctx.events.emit("group_joined", duration_s=time.monotonic() - start, world_size=self.world_size,
+                             device=str(self.device))
 
     def _attach(self, sync: bool) -> None:
         assert self.watch is not None
         if self._model is not None:
-            self._model.attach(sync, self.watch.aborted, self.progress.waiting_for)
+            self._model.attach(sync, self.watch.aborted, self.progress.waiting_for,
+                               self.ctx.config.collective_timeout_s)
 
     def leave(self) -> None:
         """Tears down everything of the current generation (safe to call twice)."""
@@ -338,7 +350,8 @@ class Session:
         assert self.watch is not None
         flag = torch.tensor([int(self._stop_requested)], dtype=torch.int64, device=self.device)
         with self.progress.waiting_for("stop"):
-            finish(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), self.watch.aborted)
+            finish(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), self.watch.aborted,
+                   self.ctx.config.collective_timeout_s)
         stopped = bool(flag.item())
         if stopped and self.rank == 0:
             self.ctx.events.emit("stopped", step=self.step, reason="session.stop()")
@@ -356,7 +369,8 @@ class Session:
         mine = max(1, math.ceil(cost / (self.ctx.config.snapshot_budget * step_s)))
         chosen = torch.tensor([mine], dtype=torch.int64, device=self.device)
         with self.progress.waiting_for("all_reduce"):
-            finish(dist.all_reduce(chosen, op=dist.ReduceOp.MAX, async_op=True), self.watch.aborted)
+            finish(dist.all_reduce(chosen, op=dist.ReduceOp.MAX, async_op=True), self.watch.aborted,
+                   self.ctx.config.collective_timeout_s)
         self.every, self.calibrating = int(chosen.item()), False
         self.ctx.events.emit("snapshot_interval", every=self.every, cost_s=cost, step_s=step_s,
                              budget=self.ctx.config.snapshot_budget)
@@ -441,7 +455,7 @@ class Session:
         self.engine.slots = slots
 
     def holdings(self) -> list[int]:
-        intact = self.engine.intact_steps()
+        intact = self.engine.usable_steps()
         for slot in self.engine.slots:
             if slot.step is not None and slot.step not in intact:
                 self.ctx.events.emit("replica_rejected", of_rank=self.inc.rank, step=slot.step,
@@ -450,7 +464,7 @@ class Session:
 
     def restore(self, step: int) -> None:
         """Loads snapshot `step` from this rank's slot into the live state."""
-        skeleton, tensors, numpy_flags = self.engine.slot_for(step).tensors()
+        skeleton, tensors, numpy_flags = self.engine.slot_for(step).tensors(self.device)
         load_into(self._tree, unflatten(skeleton, tensors, numpy_flags))
         self.engine.keep_only(step)
         self._stop_requested = self._stopped = False
@@ -488,9 +502,35 @@ class Session:
         mine = torch.tensor([target, crc], dtype=torch.int64, device=self.device)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         with self.progress.waiting_for("agree"):
-            finish(dist.all_gather(everyone, mine, async_op=True), self.watch.aborted)
+            finish(dist.all_gather(everyone, mine, async_op=True), self.watch.aborted,
+                   self.ctx.config.collective_timeout_s)
         if any(not torch.equal(other, mine) for other in everyone):
             raise ProtocolError(f"ranks disagree on the restored state: {[t.tolist() for t in everyone]}")
+
+
+def _device_index(ctx: Context, inc: Incarnation) -> int | None:
+    """This process's GPU: its own (the launcher's placement, coordinator/policy.place_devices) or, for a
+    spare that has none, the GPU of the process that held its rank before: that process is dead (it was
+    replaced), so its device is free. None: train on the CPU."""
+    own = os.environ.get(ENV_DEVICE, "")
+    if own:
+        return int(own)
+    for gen in range(inc.generation - 1, -1, -1):  # the latest earlier owner that had a device
+        previous = ctx.plan(gen).ranks[inc.my_rank()]
+        if ctx.store.check([ctx.keys.device(previous)]):
+            return int(ctx.store.get(ctx.keys.device(previous)))
+    return None
+
+
+def _use_deterministic_kernels() -> None:
+    """What a replayed step needs to compute the same bits on a GPU: torch's deterministic kernels (an op
+    that has none raises, naming itself), cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, set by the
+    launcher before CUDA starts) and cuDNN without autotuning. Uninitialised memory is not filled: that
+    costs a write per allocation and only matters to kernels that read memory they never wrote."""
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 import zlib
 from dataclasses import dataclass, field
 
@@ -24,9 +25,29 @@ def checksums(meta: bytes, data: torch.Tensor, lead_nbytes: int) -> tuple[int, i
     return lead, zlib.crc32(meta, zlib.crc32(raw[lead_nbytes:], lead))
 
 
+def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """Exactly `nbytes` of host memory, one arena for a whole slot (tensors live in it as views).
+
+    Pinned (page-locked, so device-to-host copies run asynchronously on the side stream) by registering
+    the arena with CUDA in place, not through `pin_memory=True`: torch's caching host allocator rounds
+    every request up to a power of two, up to twice the slot's size, and keeps freed blocks cached."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if pinned and nbytes:
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if error:
+            raise RuntimeError(f"could not pin a {nbytes}-byte snapshot slot in host memory (cudaError {error})")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
+
+
 @dataclass
 class Slot:
-    """A byte buffer and what it currently holds; `step` is None while it is empty or being written."""
+    """A byte buffer and what it currently holds; `step` is None while it is empty or being written.
+
+    `trusted`: the checksum was computed from these bytes by this process as it wrote them (its own
+    snapshot), or checked when they arrived for a recovery; such a slot is not checked again. A replica
+    that sits at a holder is checked before it is used (`intact`)."""
 
     pinned: bool = False
     buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
@@ -34,12 +55,17 @@ class Slot:
     meta: bytes = b""
     nbytes: int = 0
     crc: int = 0
+    trusted: bool = False
 
-    def reserve(self, nbytes: int) -> torch.Tensor:
-        """Marks the slot empty and returns its first `nbytes` bytes, growing the buffer only if needed."""
+    def reserve(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        """Marks the slot empty and returns its first `nbytes` bytes. A new arena of exactly `nbytes` is
+        made only when the buffer is too small, or not pinned when `pin` asks for it: a snapshot's size
+        settles after the first optimizer step (which creates the optimizer's state), so each slot is
+        pinned once."""
         self.step = None
-        if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        if self.buffer.numel() < nbytes or (pin and not self.pinned):
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old arena goes before the new one is made
+            self.buffer, self.pinned = host_buffer(nbytes, pin), pin
         self.nbytes = nbytes
         return self.buffer[:nbytes]
 
@@ -47,27 +73,39 @@ class Slot:
     def data(self) -> torch.Tensor:
         return self.buffer[: self.nbytes]
 
-    def seal(self, step: int, meta: bytes, crc: int) -> None:
-        self.meta, self.crc, self.step = meta, crc, step
+    def seal(self, step: int, meta: bytes, crc: int, trusted: bool = False) -> None:
+        self.meta, self.crc, self.step, self.trusted = meta, crc, step, trusted
 
     def intact(self) -> bool:
         """Recomputes the checksum: a slot whose bytes changed since it was sealed is never restored from."""
         return self.step is not None and checksum(self.meta, self.data) == self.crc
 
-    def tensors(self) -> tuple[dict, list[torch.Tensor], list[bool]]:
-        """Private copies of the tensors in this slot, with the skeleton to rebuild the state from."""
+    def usable(self) -> bool:
+        """Holds a step that may be restored: trusted, or checked now (and trusted from then on). A
+        recovery pays for checking only what crossed a network or sat at a holder, not a rank's own slots."""
+        if self.step is not None and not self.trusted:
+            self.trusted = self.intact()
+        return self.step is not None and self.trusted
+
+    def tensors(self, device: torch.device) -> tuple[dict, list[torch.Tensor], list[bool]]:
+        """The tensors in this slot, with the skeleton to rebuild the state from. Those that lived on the GPU
+        go straight from the slot to `device` (asynchronous from a pinned arena; one copy); the rest are
+        private copies in host memory, which nothing else owns."""
         meta = json.loads(self.meta)
         layout = Layout.from_json(meta["tensors"], self.nbytes)
+        to_device = device.type == "cuda"
         out = []
-        for dtype, shape, offset, n in layout.specs:
-            raw = self.buffer[offset: offset + n]
-            out.append(raw.view(getattr(torch, dtype)).reshape(shape).clone())
+        for (dtype, shape, offset, n), on_gpu in zip(layout.specs, meta["cuda"]):
+            view = self.buffer[offset: offset + n].view(getattr(torch, dtype)).reshape(shape)
+            out.append(view.to(device, non_blocking=True) if on_gpu and to_device else view.clone())
+        if to_device:
+            torch.cuda.current_stream(device).synchronize()
         return meta["skeleton"], out, meta["numpy"]
 
 
-def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[bool]) -> bytes:
+def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[bool], cuda_flags: list[bool]) -> bytes:
     return json.dumps({"step": step, "skeleton": skeleton, "tensors": layout.to_json(),
-                       "numpy": numpy_flags, "nbytes": layout.nbytes}).encode()
+                       "numpy": numpy_flags, "cuda": cuda_flags, "nbytes": layout.nbytes}).encode()
 
 
 def free_slot(slots: list[Slot], committed: int | None, abandoned: list[int]) -> Slot | None:

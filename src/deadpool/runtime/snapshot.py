@@ -60,7 +60,7 @@ class SnapshotEngine:
         self.ctx = ctx
         self.device = device
         self.cuda = device.type == "cuda"
-        self.slots = slots or [Slot(pinned=self.cuda), Slot(pinned=self.cuda)]
+        self.slots = slots or [Slot(), Slot()]
         self.wait_s = 0.0            # total time the training thread waited for copies
         self.replicated = False      # data parallel: report fingerprints, which must be equal on every rank
         self.costs: list[float] = []  # engine busy seconds per snapshot (copy + checksum + replicate)
@@ -150,11 +150,11 @@ class SnapshotEngine:
         if run.thread.is_alive():
             with self.lock:
                 if run.writing is not None and run.writing in self.slots:
-                    self.slots[self.slots.index(run.writing)] = Slot(pinned=self.cuda)
+                    self.slots[self.slots.index(run.writing)] = Slot()
             self.ctx.events.emit("snapshot_thread_abandoned", timeout_s=timeout_s, gen=run.inc.generation)
 
-    def intact_steps(self) -> list[int]:
-        return sorted(s.step for s in self.slots if s.intact() and s.step is not None)
+    def usable_steps(self) -> list[int]:
+        return sorted(s.step for s in self.slots if s.usable() and s.step is not None)
 
     def slot_for(self, step: int) -> Slot:
         return next(s for s in self.slots if s.step == step)
@@ -205,6 +205,8 @@ class _Run:
             raise self.error
 
     def _run(self) -> None:
+        if self.engine.cuda:  # this thread's own CUDA calls run on the rank's GPU, never making a context on GPU 0
+            torch.cuda.set_device(self.engine.device)
         store = connect(self.ctx.config)  # its own client: blocking waits must not stall training's
         senders: dict[str, ReplicaSender] = {}
         try:
@@ -239,13 +241,13 @@ class _Run:
                                  "not committed yet (--backlog-policy skip)")
             self.copied.set()
             return
-        buffer = slot.data
-        self._copy(job, buffer)
-        meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy)
+        reserved = time.monotonic()
+        self._copy(job, slot.data)
+        meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda)
         copied = time.monotonic()
         self.copied.set()
         fingerprint, crc = checksums(meta, slot.data, job.layout.lead_nbytes)
-        slot.seal(job.step, meta, crc)
+        slot.seal(job.step, meta, crc, trusted=True)
         self.fingerprints[job.step] = fingerprint
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
@@ -253,7 +255,8 @@ class _Run:
         self.durable.add(job.step)
         self._report(store)
         self.engine.costs.append(time.monotonic() - start)
-        self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, copy_s=copied - start,
+        self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, slot_wait_s=reserved - start,
+                             copy_s=copied - reserved, pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
     def _reserve(self, job: _Job, store: dist.Store) -> Slot | None:
@@ -269,7 +272,8 @@ class _Run:
                 slot = free_slot(self.engine.slots, committed, abandoned)
                 if slot is not None:
                     self.writing = slot
-                    slot.reserve(job.layout.nbytes)
+                    # snapshot 0 precedes the optimizer's state, so its size is not final: pinned from step 1 on
+                    slot.reserve(job.layout.nbytes, pin=self.engine.cuda and job.step > 0)
                     return slot
             if skip:
                 return None

@@ -4,7 +4,8 @@ The skeleton keeps every non-tensor value (step counters, learning rates, sample
 plain JSON, so a snapshot can cross the network without pickle. Tensors are marked *stable* when
 they only change inside an optimizer step (parameters and optimizer state): those may be copied
 in the background while the next forward and backward run. Everything else (buffers, RNG states,
-data positions) is copied at once, at the step boundary.
+data positions) is copied at once, at the step boundary. A tensor that appears twice (tied weights: the
+embedding and the output layer share one) is taken once, and both places refer to it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Flat:
     tensors: list[torch.Tensor]
     stable: list[bool]
     numpy: list[bool]
+    cuda: list[bool]  # lived on the GPU: restored onto the device, the rest stays in host memory
 
 
 @dataclass(frozen=True)
@@ -77,19 +79,27 @@ def _state_dict(obj: Any) -> dict[str, Any]:
 
 def flatten(tree: dict[str, Stateful]) -> Flat:
     """Takes every registered object's state_dict apart (training thread, at a step boundary)."""
-    flat = Flat(skeleton=None, tensors=[], stable=[], numpy=[])
+    flat = Flat(skeleton=None, tensors=[], stable=[], numpy=[], cuda=[])
+    seen: dict[tuple, int] = {}  # the same view of the same storage -> its index
+
+    def add(tensor: torch.Tensor, stable: bool, numpy: bool) -> dict[str, int]:
+        flat.tensors.append(tensor)
+        flat.stable.append(stable)
+        flat.numpy.append(numpy)
+        flat.cuda.append(tensor.is_cuda)
+        return {"T": len(flat.tensors) - 1}
 
     def walk(value: Any, stable: bool, path: str) -> Any:
         if isinstance(value, torch.Tensor):
-            flat.tensors.append(value.detach())
-            flat.stable.append(stable or isinstance(value, torch.nn.Parameter))
-            flat.numpy.append(False)
-            return {"T": len(flat.tensors) - 1}
+            key = _view_key(value)
+            if key is not None and key in seen:
+                return {"T": seen[key]}
+            node = add(value.detach(), stable or isinstance(value, torch.nn.Parameter), False)
+            if key is not None:
+                seen[key] = node["T"]
+            return node
         if isinstance(value, np.ndarray):
-            flat.tensors.append(torch.from_numpy(np.ascontiguousarray(value)).clone())
-            flat.stable.append(False)
-            flat.numpy.append(True)
-            return {"T": len(flat.tensors) - 1}
+            return add(torch.from_numpy(np.ascontiguousarray(value)).clone(), False, True)
         if isinstance(value, dict):
             return {"d": [[walk(k, stable, path), walk(v, stable, f"{path}.{k}")] for k, v in value.items()]}
         if isinstance(value, (list, tuple)):
@@ -105,6 +115,15 @@ def flatten(tree: dict[str, Stateful]) -> Flat:
     flat.skeleton = {"d": [[name, walk(_state_dict(obj), isinstance(obj, torch.optim.Optimizer), name)]
                            for name, obj in tree.items()]}
     return flat
+
+
+def _view_key(tensor: torch.Tensor) -> tuple | None:
+    """What makes two tensors the same bytes: storage, offset, dtype, shape and strides. None for tensors
+    that are never shared this way (empty ones, and subclasses such as DTensor, which own no storage)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel():
+        return None
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+            tuple(tensor.shape), tensor.stride())
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool]) -> Any:

@@ -18,6 +18,7 @@ from deadpool.coordinator.policy import (
     choose_restore_step,
     classify_exit,
     commit_step,
+    place_devices,
     describe_exit,
     hang_timeout,
     hang_verdict,
@@ -371,3 +372,28 @@ def test_durable_reports_read_their_json():
     report = Durable.from_json({"steps": [3, 4], "skipped": [2], "fingerprints": {"3": 11, "4": 12}})
     assert report == Durable(steps=(3, 4), skipped=(2,), fingerprints={3: 11, 4: 12})
     assert Durable.from_json({"steps": [], "skipped": []}).fingerprints == {}
+
+
+# ---- place_devices -----------------------------------------------------------------------------
+
+def test_every_process_gets_its_own_gpu_when_there_are_enough():
+    decision = place_devices(workers=4, spares=2, gpus=8)
+    assert decision.value == (0, 1, 2, 3, 4, 5) and "one GPU per process" in decision.reason
+
+
+def test_spares_take_the_gpus_left_and_the_rest_inherit():
+    decision = place_devices(workers=3, spares=3, gpus=4)
+    assert decision.value == (0, 1, 2, 3, None, None)
+    assert "2 of 3 spares have no GPU" in decision.reason and "rank they replace" in decision.reason
+    assert place_devices(workers=1, spares=1, gpus=1).value == (0, None)  # the GPU check: one H200
+
+
+def test_no_gpu_means_the_cpu_for_everyone():
+    decision = place_devices(workers=2, spares=1, gpus=0)
+    assert decision.value == (None, None, None) and "CPU" in decision.reason
+
+
+def test_fewer_gpus_than_workers_is_refused_with_what_to_do():
+    decision = place_devices(workers=4, spares=1, gpus=2)
+    assert not decision.ok
+    assert "4 workers need 4 GPUs" in decision.reason and "--workers 2" in decision.reason

@@ -1,5 +1,6 @@
 """Tests for deadpool/runtime/comms.py: which error is whose (a failure of some rank, or the script's),
-DDP's gradient-accumulation switches, and releasing a rank blocked in a synchronous gloo collective."""
+waiting for a collective until it completed (not merely enqueued, as NCCL's future says), DDP's
+gradient-accumulation switches, and releasing a rank blocked in a synchronous gloo collective."""
 
 import multiprocessing as mp
 import os
@@ -16,9 +17,12 @@ from deadpool.runtime.comms import (
     CollectiveAborted,
     DataParallel,
     abandon_group,
+    finish,
     is_communication_error,
     join_group,
+    pick_backend,
 )
+from deadpool.errors import ConfigError
 
 
 @pytest.mark.parametrize("error", [
@@ -27,6 +31,9 @@ from deadpool.runtime.comms import (
     RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection reset by peer"),
     RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete"),
     dist.DistBackendError("NCCL communicator was aborted"),
+    # what NCCL raises when a peer dies, or after DeadPool aborted the communicator (torch 2.x wording)
+    RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error"),
+    RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"),
     dist.DistNetworkError("Broken pipe"),
     CollectiveAborted("collective abandoned: the coordinator aborted this generation"),
 ])
@@ -43,6 +50,58 @@ def test_errors_of_the_communication_layer(error):
 ])
 def test_errors_of_the_script(error):
     assert not is_communication_error(error)
+
+
+class EnqueuedWork:
+    """A collective as NCCL reports it: its future completes when the kernel is enqueued, and the work
+    completes only when the kernel ends (here: when `end()` is called, or never)."""
+
+    def __init__(self) -> None:
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.future.set_result(None)
+        self.ended = threading.Event()
+        self.waited = False
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.ended.is_set()
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_finish_waits_for_completion_not_for_the_future():
+    work = EnqueuedWork()
+    threading.Timer(0.3, work.ended.set).start()
+    start = time.monotonic()
+    finish(work, interrupted=lambda: False, timeout_s=10.0)
+    assert time.monotonic() - start >= 0.3 and work.waited
+
+
+def test_finish_releases_a_survivor_whose_collective_never_completes():
+    """The peer died mid-collective: the future said done at enqueue, the kernel never ends. The abort
+    (seen by the watch thread) releases the training thread within a poll, and wait() is never called."""
+    work, aborted = EnqueuedWork(), threading.Event()
+    threading.Timer(0.2, aborted.set).start()
+    start = time.monotonic()
+    with pytest.raises(CollectiveAborted, match="coordinator aborted"):
+        finish(work, interrupted=aborted.is_set, timeout_s=30.0)
+    assert time.monotonic() - start < 1.0 and not work.waited
+
+
+def test_finish_gives_up_at_the_collective_timeout():
+    with pytest.raises(CollectiveAborted, match="collective timeout"):
+        finish(EnqueuedWork(), interrupted=lambda: False, timeout_s=0.2)
+
+
+def test_gloo_backend_and_device_choice():
+    assert pick_backend("auto", None) == ("gloo", torch.device("cpu"))
+    assert pick_backend("gloo", 3) == ("gloo", torch.device("cpu"))  # gloo was asked for: the GPU is not used
+    with pytest.raises(ConfigError, match="no GPU"):
+        pick_backend("nccl", None)
 
 
 def test_no_sync_turns_the_reduction_off_and_back_on():
@@ -63,7 +122,7 @@ def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]") -> None:
     if rank == 0:
         time.sleep(20)  # alive, connected, never in the barrier
         return
-    threading.Timer(0.5, abandon_group).start()
+    threading.Timer(0.5, abandon_group, args=(torch.device("cpu"),)).start()
     start = time.monotonic()
     try:
         dist.barrier()

@@ -29,7 +29,7 @@ def fill(slot: Slot, step: int, tree) -> tuple:
     for tensor, (_, _, offset, n) in zip(flat.tensors, layout.specs):
         if n:
             buffer[offset:offset + n].copy_(tensor.reshape(-1).view(torch.uint8))
-    meta = make_meta(step, flat.skeleton, layout, flat.numpy)
+    meta = make_meta(step, flat.skeleton, layout, flat.numpy, flat.cuda)
     slot.seal(step, meta, checksum(meta, slot.data))
     return flat, layout, meta
 
@@ -80,6 +80,48 @@ def test_flipping_one_byte_breaks_intact():
     assert slot.intact()
 
 
+def test_a_trusted_slot_is_not_checked_again_an_untrusted_one_is_once():
+    """A rank's own slots (checksummed as written) are restorable without another pass over their bytes;
+    a replica that sat at a holder is checked before use, and once it passed, not again."""
+    own, held = Slot(), Slot()
+    fill(own, 4, {"box": Box({"w": torch.arange(40, dtype=torch.float32)})})
+    fill(held, 4, {"box": Box({"w": torch.arange(40, dtype=torch.float32)})})
+    own.trusted = True
+    own.buffer[0] ^= 0xFF
+    assert own.usable() and not own.intact()  # trusted: the recovery does not pay to check it
+    assert held.usable() and held.trusted     # checked now, and passed
+    held.buffer[0] ^= 0xFF
+    assert held.usable()                      # not checked a second time
+    corrupt = Slot()
+    fill(corrupt, 4, {"box": Box({"w": torch.ones(8)})})
+    corrupt.buffer[3] ^= 0xFF
+    assert not corrupt.usable() and not corrupt.trusted
+
+
+def test_arenas_have_the_exact_size_and_each_is_pinned_once(monkeypatch):
+    """Snapshot 0 (before the optimizer's state exists) goes unpinned; from step 1 on the slot is pinned at
+    its exact size, once. (CUDA does not run here: the arena allocator is recorded instead of pinning.)"""
+    made = []
+
+    def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+        made.append((nbytes, pinned))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr("deadpool.runtime.slots.host_buffer", host_buffer)
+    slot = Slot()
+    sizes = [(1000, False), (3000, True), (3000, True), (2990, True), (3000, True)]  # step 0, then settled
+    for nbytes, pin in sizes:
+        assert slot.reserve(nbytes, pin).numel() == nbytes
+    assert made == [(1000, False), (3000, True)] and slot.pinned and slot.buffer.numel() == 3000
+
+
+def test_the_real_arena_is_exactly_as_large_as_asked():
+    from deadpool.runtime.slots import host_buffer
+
+    for nbytes in (1, 4097, 3 * 2**20 + 5):  # torch's caching pinned allocator would round these to powers of 2
+        assert host_buffer(nbytes, pinned=False).untyped_storage().nbytes() == nbytes
+
+
 def test_changed_metadata_breaks_intact():
     slot = Slot()
     _, _, meta = fill(slot, 4, {"box": Box({"w": torch.ones(8)})})
@@ -102,16 +144,16 @@ def test_checksum_covers_meta_and_data():
 def test_make_meta_is_json():
     flat = flatten({"box": Box({"w": torch.ones(2), "n": np.zeros(1)})})
     layout = Layout.of(flat.tensors)
-    meta = json.loads(make_meta(9, flat.skeleton, layout, flat.numpy))
+    meta = json.loads(make_meta(9, flat.skeleton, layout, flat.numpy, flat.cuda))
     assert meta == {"step": 9, "skeleton": flat.skeleton, "tensors": [["float32", [2], 0, 8], ["float64", [1], 64, 8]],
-                    "numpy": [False, True], "nbytes": 128}
+                    "numpy": [False, True], "cuda": [False, False], "nbytes": 128}
 
 
 def test_tensors_round_trip_through_a_slot():
     tree = sample_tree()
     slot = Slot()
     flat, layout, _ = fill(slot, 6, tree)
-    skeleton, tensors, numpy_flags = slot.tensors()
+    skeleton, tensors, numpy_flags = slot.tensors(torch.device("cpu"))
     assert skeleton == json.loads(json.dumps(flat.skeleton)) and numpy_flags == flat.numpy
     assert len(tensors) == len(flat.tensors)
     for got, want in zip(tensors, flat.tensors):
@@ -136,7 +178,7 @@ def test_tensors_restore_a_model_exactly():
     tree = sample_tree()
     slot = Slot()
     fill(slot, 1, tree)
-    state = unflatten(*slot.tensors())
+    state = unflatten(*slot.tensors(torch.device("cpu")))
     torch.manual_seed(1)
     other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5), torch.nn.BatchNorm1d(5))
     other.load_state_dict(state["model"])

@@ -134,6 +134,29 @@ def test_tensors_are_shared_not_copied():
     assert flat.tensors[0].data_ptr() == tree["model"][0].weight.data_ptr()
 
 
+def test_tied_weights_are_taken_once_and_restored_to_both_places():
+    """An embedding and an output layer sharing one weight (GPT's tie): one tensor in the snapshot, both
+    state-dict entries point at it, and loading it back keeps the tie."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    flat = flatten({"model": model})
+    assert len(flat.tensors) == 1 and Layout.of(flat.tensors).nbytes == 64  # 15 floats, once
+    state = unflatten(json.loads(json.dumps(flat.skeleton)), [t.clone() for t in flat.tensors], flat.numpy)
+    assert state["model"]["0.weight"] is state["model"]["1.weight"]
+    other = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    other[1].weight = other[0].weight
+    other.load_state_dict(state["model"])
+    assert torch.equal(other[0].weight, model[0].weight) and other[1].weight is other[0].weight
+
+
+def test_different_views_of_one_storage_are_kept_apart():
+    base = torch.arange(6.0)
+    flat = flatten({"box": Box({"a": base[:3], "b": base[3:], "again": base[:3], "empty": base[:0],
+                                "empty2": base[:0]})})
+    assert [t.tolist() for t in flat.tensors] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [], []]
+
+
 def test_numpy_array_is_copied_at_flatten():
     array = np.arange(4, dtype=np.int16)
     flat = flatten({"box": Box({"a": array})})

@@ -1,0 +1,42 @@
+"""Tests for deadpool/launcher/agent.py: the environment each training process starts with."""
+
+from dataclasses import replace
+from pathlib import Path
+
+from deadpool.config import JobConfig
+from deadpool.launcher.agent import process_env
+
+CONFIG = JobConfig(script="train.py", workers=2, spares=2, run_dir="runs/x", seed=7)
+
+
+def env_of(config: JobConfig, name: str, role: str, rank: int, inherited: dict | None = None) -> dict[str, str]:
+    return process_env(config, Path("runs/x/config.json"), name, role, rank, inherited or {})
+
+
+def test_identity_is_deadpools_and_torchruns():
+    env = env_of(CONFIG, "w1", "worker", 1)
+    assert (env["DEADPOOL_PROC"], env["DEADPOOL_ROLE"], env["DEADPOOL_CONFIG"]) == ("w1", "worker", "runs/x/config.json")
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "1", "2")
+    assert env_of(CONFIG, "s0", "spare", 2)["RANK"] == "2"  # a placeholder past the workers' ranks
+
+
+def test_devices_follow_the_placement():
+    config = replace(CONFIG, gpus_per_node=3)
+    devices = [env_of(config, name, role, rank)["DEADPOOL_DEVICE"]
+               for name, role, rank in [("w0", "worker", 0), ("w1", "worker", 1), ("s0", "spare", 2),
+                                        ("s1", "spare", 3)]]
+    assert devices == ["0", "1", "2", ""]  # s1 has none of its own: it inherits the GPU of the rank it replaces
+    assert env_of(CONFIG, "w0", "worker", 0)["DEADPOOL_DEVICE"] == ""  # no GPUs: the CPU
+
+
+def test_nccl_error_handling_is_deadpools_even_if_the_user_set_it():
+    env = env_of(CONFIG, "w0", "worker", 0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_determinism_settings_and_user_values_win():
+    assert env_of(CONFIG, "w0", "worker", 0)["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in env_of(replace(CONFIG, deterministic=False), "w0", "worker", 0)
+    mine = env_of(CONFIG, "w0", "worker", 0, {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "OMP_NUM_THREADS": "4"})
+    assert mine["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and mine["OMP_NUM_THREADS"] == "4"
+    assert mine["PYTHONHASHSEED"] == "7"

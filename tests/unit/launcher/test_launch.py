@@ -1,0 +1,33 @@
+"""Tests for deadpool/launcher/launch.py: how many GPUs a node's processes share out (this machine has none)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from deadpool.config import JobConfig
+from deadpool.errors import ConfigError
+from deadpool.launcher.launch import count_gpus, launch
+
+CONFIG = JobConfig(script="train.py", workers=2, spares=1, run_dir="runs/x")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="these check a machine without GPUs")
+
+
+def test_no_gpu_here_means_the_cpu():
+    assert count_gpus(CONFIG) == 0 and count_gpus(replace(CONFIG, backend="gloo", gpus_per_node=4)) == 0
+
+
+def test_asking_for_gpus_that_are_not_there_is_refused():
+    with pytest.raises(ConfigError, match="--gpus-per-node 2, but 0 GPUs are visible here"):
+        count_gpus(replace(CONFIG, gpus_per_node=2))
+    with pytest.raises(ConfigError, match="--backend nccl needs GPUs.*--backend gloo"):
+        count_gpus(replace(CONFIG, backend="nccl"))
+
+
+def test_launch_refuses_before_starting_anything(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    config = replace(CONFIG, script=str(script), run_dir=str(tmp_path / "run"), backend="nccl")
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        launch(config, echo=None)
+    assert not (tmp_path / "run" / "logs").exists()
