@@ -14,6 +14,8 @@ GPU of the rank it replaces: coordinator/policy.place_devices).
      takes >= 100 ms (mean step time over the measured steps, as `deadpool bench overhead` measures).
 
 Prints a report and writes it as JSON to OUT/gpu_check.json. Exit code 0 when every check passed.
+`--rehearse` runs the same sequence on the CPU (gloo, small models, fewer steps) to check the script
+itself on a machine without a GPU; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from deadpool.launcher.launch import launch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 SMALL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "128", "--batch-size", "16"]
-# ~85M parameters (1 GB of state with AdamW); batch 32 x 256 tokens: a step of >= 100 ms in fp32 on an H200
-LARGE = ["--n-layer", "12", "--n-head", "12", "--n-embd", "768", "--block-size", "256", "--batch-size", "32",
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "4"]  # rehearsal
+# ~57M parameters (0.68 GB of state with AdamW); 64 x 256 tokens a step: about 5.6 TFLOP, >= 100 ms in fp32
+LARGE = ["--n-layer", "8", "--n-head", "12", "--n-embd", "768", "--block-size", "256", "--batch-size", "64",
          "--dropout", "0.0"]
 PCIE_GBPS = (55.0, 64.0)
 
@@ -52,10 +55,10 @@ class Run:
         return [e for e in self.events if e["event"] == event]
 
 
-def job(out: Path, name: str, script_args: list[str], *, spares: int = 1, every: int = 1, deterministic: bool = True,
-        faults: tuple[Fault, ...] = ()) -> Run:
+def job(out: Path, backend: str, name: str, script_args: list[str], *, spares: int = 1, every: int = 1,
+        deterministic: bool = True, faults: tuple[Fault, ...] = ()) -> Run:
     config = JobConfig(script=str(EXAMPLE), script_args=tuple(script_args), workers=1, spares=spares,
-                       run_dir=str(out / name), backend="nccl", snapshot_every=every, deterministic=deterministic,
+                       run_dir=str(out / name), backend=backend, snapshot_every=every, deterministic=deterministic,
                        faults=faults, collective_timeout_s=120.0, connect_timeout_s=120.0)
     started = time.monotonic()
     code, summary = launch(config, echo=None)
@@ -63,14 +66,14 @@ def job(out: Path, name: str, script_args: list[str], *, spares: int = 1, every:
     return Run(name, summary, list(read_events(out / name / "events.jsonl")))
 
 
-def correctness(out: Path, deterministic: bool) -> dict[str, Any]:
-    """A failure-free run and two kills; each faulty run against the failure-free one."""
+def correctness(out: Path, backend: str, model: list[str], deterministic: bool) -> dict[str, Any]:
+    """A failure-free run and two kills in step 12; each faulty run against the failure-free one."""
     tag = "det" if deterministic else "nondet"
-    args = [*SMALL, "--steps", "24", "--log-every", "4"]
-    reference = job(out, f"reference-{tag}", args, deterministic=deterministic)
+    args = [*model, "--steps", "24", "--log-every", "4"]
+    reference = job(out, backend, f"reference-{tag}", args, deterministic=deterministic)
     result: dict[str, Any] = {"reference_exit": reference.summary["exit_code"]}
     for phase in ("backward", "snapshot_copy"):
-        run = job(out, f"kill-{phase}-{tag}", args, deterministic=deterministic,
+        run = job(out, backend, f"kill-{phase}-{tag}", args, deterministic=deterministic,
                   faults=(Fault(kind="kill", rank=0, step=12, phase=phase),))
         devices = {e.get("device") for e in run.named("group_joined") if e.get("proc") == "s0"}
         result[f"kill_{phase}"] = {
@@ -104,12 +107,12 @@ def mean_step_s(run: Run, skip: int) -> float:
     return (t[-1] - t[0]) / (len(t) - 1)
 
 
-def overhead(out: Path) -> dict[str, Any]:
+def overhead(out: Path, backend: str, model: list[str]) -> dict[str, Any]:
     """Snapshots off against every step, the spare holding replicas, then without a spare (local slots only)."""
-    args = [*LARGE, "--steps", "40", "--log-every", "10"]
-    runs = {"off": job(out, "overhead-off", args, every=0),
-            "every-1": job(out, "overhead-every-1", args, every=1),
-            "every-1-no-spare": job(out, "overhead-every-1-no-spare", args, every=1, spares=0)}
+    args = [*model, "--steps", "30", "--log-every", "10"]
+    runs = {"off": job(out, backend, "overhead-off", args, every=0),
+            "every-1": job(out, backend, "overhead-every-1", args, every=1),
+            "every-1-no-spare": job(out, backend, "overhead-every-1-no-spare", args, every=1, spares=0)}
     steps = {name: mean_step_s(run, skip=10) for name, run in runs.items()}
     blocked = [e["wait_s"] for e in runs["every-1"].named("step") if e["role"] == "worker" and e["step"] > 10]
     return {"step_s": steps,
@@ -124,37 +127,49 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"))
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--rehearse", action="store_true", help="run the sequence on the CPU (no figures)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    backend = "gloo" if args.rehearse else "nccl"
+    device = "cpu" if args.rehearse else "cuda:0"
+    if args.rehearse:
+        report: dict[str, Any] = {"rehearsal": True, "python": platform.python_version(), "torch": torch.__version__}
+    elif not torch.cuda.is_available():
         print("no CUDA device visible: this check needs a GPU", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "gpu": torch.cuda.get_device_name(0),
-        "gpus": torch.cuda.device_count()}
+    else:
+        report = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version())), "gpu": torch.cuda.get_device_name(0),
+                  "gpus": torch.cuda.device_count()}
     print(json.dumps(report), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+
+    def save() -> None:  # after each part, so a run cut short by the time limit still leaves what it measured
+        report["duration_s"] = time.monotonic() - started
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+
     print("correctness, deterministic on:", flush=True)
-    report["deterministic"] = correctness(args.out, deterministic=True)
+    report["deterministic"] = correctness(args.out, backend, TINY if args.rehearse else SMALL, deterministic=True)
+    save()
     print("correctness, deterministic off:", flush=True)
-    report["nondeterministic"] = correctness(args.out, deterministic=False)
+    report["nondeterministic"] = correctness(args.out, backend, TINY if args.rehearse else SMALL,
+                                             deterministic=False)
+    save()
     if not args.skip_overhead:
         print("overhead (snapshots off / every step):", flush=True)
-        report["overhead"] = overhead(args.out)
-    report["duration_s"] = time.monotonic() - started
+        report["overhead"] = overhead(args.out, backend, TINY if args.rehearse else LARGE)
 
     det = report["deterministic"]
-    checks = {f"deterministic: {k} -> same state and losses, spare on cuda:0":
+    checks = {f"deterministic: {k} -> same state and losses, spare on {device}":
               v["exit"] == 0 and v["swaps"] == 1 and v["state_equal"] and v["losses_equal"]
-              and v["spare_device"] == ["cuda:0"]
+              and v["spare_device"] == [device]
               for k, v in det.items() if k.startswith("kill_")}
-    if "overhead" in report:
+    if "overhead" in report and not args.rehearse:
         path = report["overhead"]["snapshot_path"]
         checks["slots pinned from snapshot 1 on"] = path["pinned_from_step_1"]
         checks["large model step >= 100 ms"] = report["overhead"]["step_s"]["off"] >= 0.1
     report["checks"] = checks
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    save()
     print(json.dumps(report, indent=2))
     nondet = report["nondeterministic"]
     print("\nwithout the deterministic switch the faulty runs end on the same state: "

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deadpool.sim import scale
 from deadpool.sim.model import (
     DAY,
     HOUR,
@@ -17,9 +18,12 @@ from deadpool.sim.model import (
     ClusterParams,
     analytic_goodput,
     erlang_b,
+    hot_swap_goodput,
+    require,
     simulate,
     spare_load,
     spares_needed,
+    spares_worth,
     stalls_per_day,
 )
 
@@ -35,12 +39,16 @@ _FLAGS = {"--gpus-per-node": ("gpus_per_node", int, "GPUs per node (a failure ta
           "--spare-replenish-s": ("spare_replenish_s", float, "until a used spare, or a dropped node, is back"),
           "--reconfig-s": ("reconfig_s", float, "replica dropping: quorum + communicator rebuild per failure"),
           "--replica-group-nodes": ("replica_group_nodes", int, "replica dropping: nodes per replica group")}
-# The hot-swap phases, as a run's summary.json names them; each gets a --{phase}-s flag.
+# The hot-swap phases, as a run's summary.json names them; with transfer (which a run counts in its report),
+# those of the cost model (sim/scale.py). Each gets a --{phase}-s flag.
 PHASES = ("detect", "decide", "report", "rebuild", "restore")
+SWAP_PHASES = ("detect", "decide", "report", "rebuild", "transfer", "restore")
+DEFAULT_COSTS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 def measured_phases(run_dirs: list[Path]) -> dict[str, float]:
-    """Median of each hot-swap phase over the recoveries in each run_dir/summary.json (`deadpool run|demo --out`)."""
+    """Median of each hot-swap phase over the recoveries in each run_dir/summary.json (`deadpool run|demo --out`);
+    transfer 0, since a run's report phase already holds any replica it streamed."""
     recoveries = []
     for run_dir in run_dirs:
         path = run_dir / "summary.json"
@@ -52,7 +60,7 @@ def measured_phases(run_dirs: list[Path]) -> dict[str, float]:
         if not found:
             raise ValueError(f"--phases-from: {path} records no recovery; inject a failure (deadpool demo) first")
         recoveries += found
-    return {phase: statistics.median(r[f"{phase}_s"] for r in recoveries) for phase in PHASES}
+    return {phase: statistics.median(r[f"{phase}_s"] for r in recoveries) for phase in PHASES} | {"transfer": 0.0}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,11 +73,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for flag, (field, kind, text) in _FLAGS.items():
         shown = "" if _DEFAULTS[field] is None else f" (default: {_DEFAULTS[field]})"
         p.add_argument(flag, type=kind, default=_DEFAULTS[field], help=text + shown)
-    for phase in PHASES:
+    p.add_argument("--swap-model", choices=sorted(scale.SWAP_MODELS), default="nccl-shrink",
+                   help="coefficients that price the hot-swap phases at each size (default: nccl-shrink)")
+    p.add_argument("--node-state-gb", type=float, default=scale.DEFAULT_NODE_STATE_BYTES / 1e9,
+                   help="state of one node that its spare takes over, GB (default: 14.2, a 65B model on 64 nodes)")
+    p.add_argument("--hang-fraction", type=float, default=0.0,
+                   help="fraction of failures that are hangs, detected at the hang timeout (default: 0)")
+    for phase in SWAP_PHASES:
         p.add_argument(f"--{phase}-s", type=float, default=None,
-                       help=f"hot swap: {phase} phase (default: --phases-from, else {_DEFAULTS[phase + '_s']})")
+                       help=f"hot swap: {phase} phase (default: --phases-from, else --swap-model at each size)")
     p.add_argument("--phases-from", type=Path, nargs="+", default=None, metavar="RUN_DIR",
                    help="take the hot-swap phases measured in these run directories (median over their recoveries)")
+    p.add_argument("--costs", type=float, nargs="+", default=list(DEFAULT_COSTS), metavar="S",
+                   help="per-failure swap costs for the sensitivity table, seconds (default: 1 5 10 30 60 120)")
     p.add_argument("--spares", type=int, default=None, help="hot-swap spares (default: the fewest for --stall-target)")
     p.add_argument("--stall-target", type=float, default=1e-3, help="stalls per day to stay under (default: 0.001)")
     p.add_argument("--days", type=float, default=30.0, help="Monte Carlo horizon per run (default: 30)")
@@ -78,29 +94,52 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory to write simulate.json into")
 
 
-def swap_phases(args: argparse.Namespace) -> dict[str, float]:
-    """The hot-swap phase costs: a flag given beats a measured run (--phases-from) beats the model's default."""
-    measured = measured_phases(args.phases_from) if args.phases_from else {}
+def swap_phases(args: argparse.Namespace, gpus: int, measured: dict[str, float], hang_fraction: float
+                ) -> dict[str, float]:
+    """The hot-swap phase costs at one size: a flag given beats a measured run (--phases-from) beats the
+    --swap-model."""
+    model = scale.swap_phases(scale.SWAP_MODELS[args.swap_model], ranks=gpus, ranks_per_node=args.gpus_per_node,
+                              node_state_bytes=args.node_state_gb * 1e9, step_s=args.step_s,
+                              hang_fraction=hang_fraction)
     return {f"{phase}_s": float(next(v for v in (getattr(args, f"{phase}_s"), measured.get(phase),
-                                                 _DEFAULTS[f"{phase}_s"]) if v is not None)) for phase in PHASES}
+                                                 model[f"{phase}_s"]) if v is not None)) for phase in SWAP_PHASES}
 
 
-def _evaluate(args: argparse.Namespace, gpus: int, phases: dict[str, float]) -> dict:
+def _evaluate(args: argparse.Namespace, gpus: int, measured: dict[str, float]) -> dict:
     """Everything reported for one cluster size, JSON-ready."""
-    fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _FLAGS.items()} | phases
-    base = ClusterParams(gpus=gpus, spares=args.spares or 0, **fields)
+    def phases(hang_fraction: float) -> dict[str, Any]:
+        return swap_phases(args, gpus, measured, hang_fraction)
+
+    fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _FLAGS.items()}
+    base = ClusterParams(gpus=gpus, spares=args.spares or 0, **fields, **phases(args.hang_fraction))
     needed = spares_needed(base, args.stall_target)
     p = dataclasses.replace(base, spares=needed if args.spares is None else args.spares)
+    crash, hang = (dataclasses.replace(p, **phases(fraction)).swap_s for fraction in (0.0, 1.0))
     mc = simulate(p, days=args.days, runs=args.runs, seed=args.seed)
+    priced = [dataclasses.replace(p, swap_cost_s=cost) for cost in args.costs]
     return {"gpus": gpus, "params": dataclasses.asdict(p), "mttf_h": p.mttf_s / HOUR, "ckpt_interval_s": p.interval_s,
-            "swap_s": p.swap_s, "analytic": analytic_goodput(p),
+            "swap_s": p.swap_s, "swap_s_crash": crash, "swap_s_hang": hang, "analytic": analytic_goodput(p),
             "monte_carlo": {name: dataclasses.asdict(mc.goodput[name]) for name in STRATEGIES},
             "failures_per_day": p.failure_rate * DAY, "spare_load_erlangs": spare_load(p),
             "spares_needed": needed, "stalls_per_day_needed": stalls_per_day(dataclasses.replace(p, spares=needed)),
             "stalls_per_day_one_fewer": stalls_per_day(dataclasses.replace(p, spares=needed - 1)) if needed else None,
             "blocking": erlang_b(p.spares, spare_load(p)), "stalls_per_day": stalls_per_day(p),
+            "spares_worth": spares_worth(p),
+            "sensitivity": [{"swap_s": q.swap_s, "goodput": hot_swap_goodput(q), "spares_worth": spares_worth(q)}
+                            for q in priced],
             "mc_blocked": dataclasses.asdict(mc.blocked), "mc_stalls_per_day": dataclasses.asdict(mc.stalls_per_day),
             "mc_stall_days": dataclasses.asdict(mc.stall_days), "mc_failures": mc.failures, "mc_days": mc.days}
+
+
+def _phase_table(rows: list[dict]) -> str:
+    head = (f"{'GPUs':>7} " + " ".join(f"{phase:>8}" for phase in SWAP_PHASES)
+            + f" {'half step':>9} {'per failure':>11} {'crash only':>10} {'hang only':>9}")
+    lines = ["Hot swap per failure, by phase (s)", head]
+    for r in rows:
+        phases = " ".join(f"{r['params'][phase + '_s']:>8.3f}" for phase in SWAP_PHASES)
+        lines.append(f"{r['gpus']:>7} {phases} {r['params']['step_s'] / 2:>9.3f} {r['swap_s']:>11.2f} "
+                     f"{r['swap_s_crash']:>10.2f} {r['swap_s_hang']:>9.2f}")
+    return "\n".join(lines)
 
 
 def _goodput_table(rows: list[dict]) -> str:
@@ -120,33 +159,65 @@ def _spares_table(rows: list[dict], target: float) -> str:
     lines = [f"Spares for hot swap (Erlang loss: a used spare is gone for {gone:.0f} s;"
              f" a stall is a failure that finds no idle spare; target < {target:g} stalls/day)",
              f"{'GPUs':>7} {'failures/day':>12} {'load (Erl)':>10} {'spares needed':>13} {'stalls/day':>10} "
-             f"{'with one fewer':>14}   Monte Carlo at the spares simulated"]
+             f"{'with one fewer':>14} {'worth their GPUs':>16}   Monte Carlo at the spares simulated"]
     for r in rows:
         mc = (f"{r['params']['spares']} spares: {r['mc_stalls_per_day']['mean'] * r['mc_days']:.0f} of "
               f"{r['mc_failures']} failures stalled in {r['mc_days']:.0f} days (closed form "
               f"{r['blocking'] * r['mc_failures']:.2g})")
         fewer = "-" if r["stalls_per_day_one_fewer"] is None else f"{r['stalls_per_day_one_fewer']:.2g}"
         lines.append(f"{r['gpus']:>7} {r['failures_per_day']:>12.1f} {r['spare_load_erlangs']:>10.2f} "
-                     f"{r['spares_needed']:>13} {r['stalls_per_day_needed']:>10.2g} {fewer:>14}   {mc}")
+                     f"{r['spares_needed']:>13} {r['stalls_per_day_needed']:>10.2g} {fewer:>14} "
+                     f"{r['spares_worth']:>16}   {mc}")
     return "\n".join(lines)
 
 
+def _sensitivity_table(rows: list[dict]) -> str:
+    gone = rows[0]["params"]["spare_replenish_s"]
+    lines = ["Sensitivity to the per-failure cost of a swap (closed form): hot-swap goodput at the spares simulated"
+             " / the spares worth their GPUs",
+             f"(the spares for the stall target stay as above at every cost: a used spare is gone for {gone:.0f} s"
+             " whatever the swap cost)",
+             f"{'cost':>8} " + " ".join(f"{r['gpus']:>14}" for r in rows)]
+    for i, entry in enumerate(rows[0]["sensitivity"]):
+        cells = [f"{r['sensitivity'][i]['goodput']:.4f} / {r['sensitivity'][i]['spares_worth']:>3}" for r in rows]
+        lines.append(f"{entry['swap_s']:>6g} s " + " ".join(f"{cell:>14}" for cell in cells))
+    return "\n".join(lines)
+
+
+def _pricing(args: argparse.Namespace) -> str:
+    """Where the hot-swap phases came from, in a sentence."""
+    model = scale.SWAP_MODELS[args.swap_model]
+    parts = [f"the {args.swap_model} model ({model.source}) at each size, {args.node_state_gb:.3g} GB of state per "
+             f"node, {args.hang_fraction:.0%} of failures hangs"]
+    if args.phases_from:
+        parts.append(f"phases measured in {' '.join(map(str, args.phases_from))} (as measured, at every size)")
+    flagged = [phase for phase in SWAP_PHASES if getattr(args, f"{phase}_s") is not None]
+    if flagged:
+        parts.append("flags for " + ", ".join(flagged))
+    return "; overridden by ".join(parts)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Prints the goodput and spares tables for each size; writes simulate.json into --out if given."""
+    """Prints the phase, goodput, spares and sensitivity tables for each size; writes simulate.json into --out."""
     try:
-        phases = swap_phases(args)
-        rows = [_evaluate(args, gpus, phases) for gpus in (args.gpus or DEFAULT_GPUS)]
+        require("--node-state-gb", args.node_state_gb, zero_ok=True)  # name the flag, not the model's field
+        for cost in args.costs:
+            require("--costs", cost, zero_ok=True)
+        measured = measured_phases(args.phases_from) if args.phases_from else {}
+        rows = [_evaluate(args, gpus, measured) for gpus in (args.gpus or DEFAULT_GPUS)]
     except ValueError as error:
         print(f"deadpool simulate: error: {error}", file=sys.stderr)
         return 2
-    swap = rows[0]["params"]
-    source = f"measured in {' '.join(map(str, args.phases_from))}" if args.phases_from else "model defaults"
-    print(f"{args.runs} Monte Carlo runs of {args.days:g} days per size, seed {args.seed}. Hot swap costs "
-          f"{rows[0]['swap_s']:.2f} s a failure (phases, {source}: "
-          + " + ".join(f"{phase} {swap[phase + '_s']:.3g}" for phase in PHASES)
-          + f" + half a step {swap['step_s'] / 2:g}); checkpoint-restart {swap['ckpt_cost_s']:g} s per checkpoint, "
-          f"restart {swap['restart_s']:g} s; replica dropping {swap['reconfig_s']:g} s + half a step per failure.\n")
-    print(_goodput_table(rows) + "\n\n" + _spares_table(rows, args.stall_target))
+    first = rows[0]["params"]
+    mttf_h = first["mttf_hours_at_1024"]
+    print(f"{args.runs} Monte Carlo runs of {args.days:g} days per size, seed {args.seed}. Each GPU fails at "
+          f"{1 / (1024 * mttf_h):.3g} per hour (a node of {first['gpus_per_node']} every "
+          f"{1024 / first['gpus_per_node'] * mttf_h / 24:.0f} days; job MTTF {mttf_h:g} h at 1,024 GPUs). "
+          f"Hot swap priced by {_pricing(args)}; checkpoint-restart {first['ckpt_cost_s']:g} s per "
+          f"checkpoint, restart {first['restart_s']:g} s; replica dropping {first['reconfig_s']:g} s + half a step "
+          "per failure.\n")
+    print("\n\n".join([_phase_table(rows), _goodput_table(rows), _spares_table(rows, args.stall_target),
+                       _sensitivity_table(rows)]))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if not callable(v)}

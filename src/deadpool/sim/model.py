@@ -22,7 +22,8 @@ Strategies (a failure stops the whole synchronous job unless said otherwise):
   u = 1 / (1 + g lambda_node D) of the time (exact); counted failures arrive at about lambda u, and a moment
   is stall-free when none arrived in the last s seconds: goodput ~= u exp(-lambda u s), off by O(1 / groups).
 - hot_swap with S spares: a failure that finds an idle spare costs the recovery phases h (detect + decide +
-  report + rebuild + restore + replay of half a step) and holds that spare for spare_replenish_s; one that
+  report + rebuild + transfer + restore + replay of half a step; sim/scale.py prices them in the world size
+  and the state size) and holds that spare for spare_replenish_s; one that
   finds none falls back to a restart from the disk tier, which is persisted every T s in the background (no
   stall), i.e. checkpoint_restart with C = 0. Closed form: with B the blocking probability below, swaps come at
   lambda (1 - B) and fallbacks at lambda B, and goodput ~= exp(-lambda (1 - B) h) * checkpoint_restart(lambda
@@ -35,7 +36,9 @@ holds it for D = spare_replenish_s; one that finds none is lost to the pool (the
 scheduler provides) and is a stall. By PASTA the fraction of failures that stall is Erlang B(S, a = lambda D),
 whatever the distribution of D. (The Poisson tail P(N >= S), N ~ Poisson(a), would be the answer only if a
 stalled failure still took a spare.) Stalls per day, lambda * 86400 * B, bound P(a stall in a day) from above
-(Markov), so `spares_needed` keeps that expectation under the target.
+(Markov), so `spares_needed` keeps that expectation under the target. That count does not depend on h: a
+spare is held for D whatever the swap costs. What h changes is what a spare is worth: `spares_worth` is the
+count that maximizes goodput per GPU paid for, idle spare nodes included.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ DAY = 86400.0
 STRATEGIES = ("checkpoint_restart", "replica_drop", "hot_swap")
 
 
-def _require(name: str, value: object, *, zero_ok: bool = False, inf_ok: bool = False) -> None:
+def require(name: str, value: object, *, zero_ok: bool = False, inf_ok: bool = False) -> None:
     """Rejects a bad number at construction, naming the field, so a sweep never fails halfway."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
@@ -69,11 +72,13 @@ class ClusterParams:
     gpus_per_node: int = 8
     mttf_hours_at_1024: float = 7.9        # job MTTF of 1,024 GPUs; math.inf: nothing ever fails
     step_s: float = 5.0
-    detect_s: float = 0.07                 # hot-swap phases: medians of `deadpool demo` on our 2-core box
-    decide_s: float = 0.001                # (docs/benchmarks.md); --phases-from takes your own
-    report_s: float = 0.08
+    detect_s: float = 0.07                 # hot-swap phases: medians of `deadpool demo` at 4 ranks on our 2-core
+    decide_s: float = 0.001                # box (docs/benchmarks.md); `deadpool simulate` prices them per size
+    report_s: float = 0.08                 # with sim/scale.py instead, and --phases-from takes your own
     rebuild_s: float = 0.12
+    transfer_s: float = 0.0                # replicas streamed to the spare: none when it holds them already
     restore_s: float = 0.02
+    swap_cost_s: float | None = None       # the whole cost of a swap, to price one directly; None: swap_s below
     ckpt_interval_s: float | None = None   # work between checkpoints; None: Young/Daly
     ckpt_cost_s: float = 30.0              # training stall per checkpoint (checkpoint_restart only)
     restart_s: float = 300.0               # reschedule + process start + load
@@ -91,14 +96,15 @@ class ClusterParams:
             raise ValueError(f"gpus ({self.gpus}) must be a multiple of gpus_per_node ({self.gpus_per_node})")
         if self.nodes % self.replica_group_nodes:
             raise ValueError(f"{self.nodes} nodes do not split into replica groups of {self.replica_group_nodes}")
-        _require("mttf_hours_at_1024", self.mttf_hours_at_1024, inf_ok=True)
+        require("mttf_hours_at_1024", self.mttf_hours_at_1024, inf_ok=True)
         for name in ("step_s", "spare_replenish_s"):
-            _require(name, getattr(self, name))
-        if self.ckpt_interval_s is not None:
-            _require("ckpt_interval_s", self.ckpt_interval_s)
-        for name in ("detect_s", "decide_s", "report_s", "rebuild_s", "restore_s", "ckpt_cost_s", "restart_s",
-                     "reconfig_s"):
-            _require(name, getattr(self, name), zero_ok=True)
+            require(name, getattr(self, name))
+        for name in ("ckpt_interval_s", "swap_cost_s"):
+            if getattr(self, name) is not None:
+                require(name, getattr(self, name), zero_ok=name == "swap_cost_s")
+        for name in ("detect_s", "decide_s", "report_s", "rebuild_s", "transfer_s", "restore_s", "ckpt_cost_s",
+                     "restart_s", "reconfig_s"):
+            require(name, getattr(self, name), zero_ok=True)
 
     @property
     def nodes(self) -> int:
@@ -126,8 +132,12 @@ class ClusterParams:
 
     @property
     def swap_s(self) -> float:
-        """Hot-swap cost of one failure: the recovery phases plus replaying half a step on average."""
-        return self.detect_s + self.decide_s + self.report_s + self.rebuild_s + self.restore_s + self.step_s / 2
+        """Hot-swap cost of one failure: swap_cost_s if given, else the recovery phases plus replaying half a
+        step on average."""
+        if self.swap_cost_s is not None:
+            return self.swap_cost_s
+        return (self.detect_s + self.decide_s + self.report_s + self.rebuild_s + self.transfer_s + self.restore_s
+                + self.step_s / 2)
 
     @property
     def drop_stall_s(self) -> float:
@@ -168,7 +178,7 @@ def stalls_per_day(p: ClusterParams) -> float:
 
 def spares_needed(p: ClusterParams, per_day: float = 1e-3) -> int:
     """The fewest spares for which stalls_per_day < per_day (B falls with every spare, so the first is least)."""
-    _require("per_day", per_day)
+    require("per_day", per_day)
     per_failure = per_day / (p.failure_rate * DAY) if p.failure_rate else math.inf
     load, servers, blocked = spare_load(p), 0, 1.0
     while blocked >= per_failure:
@@ -188,11 +198,40 @@ def replica_drop_goodput(p: ClusterParams) -> float:
     return up * math.exp(-p.failure_rate * up * p.drop_stall_s)
 
 
-def hot_swap_goodput(p: ClusterParams) -> float:
-    """Swap stalls times checkpoint-restart at the rate of failures that find no spare (see the docstring)."""
-    blocked = erlang_b(p.spares, spare_load(p))
+def _hot_swap_goodput(p: ClusterParams, blocked: float) -> float:
     return (math.exp(-p.failure_rate * (1 - blocked) * p.swap_s)
             * _segment_goodput(p.failure_rate * blocked, p.interval_s, 0.0, p.restart_s))
+
+
+def hot_swap_goodput(p: ClusterParams) -> float:
+    """Swap stalls times checkpoint-restart at the rate of failures that find no spare (see the docstring)."""
+    return _hot_swap_goodput(p, erlang_b(p.spares, spare_load(p)))
+
+
+def _paid(p: ClusterParams, spares: int, blocked: float) -> float:
+    return _hot_swap_goodput(p, blocked) * p.gpus / (p.gpus + spares * p.gpus_per_node)
+
+
+def paid_goodput(p: ClusterParams) -> float:
+    """Hot-swap goodput per GPU paid for: an idle spare node is gpus_per_node GPUs that train nothing."""
+    return _paid(p, p.spares, erlang_b(p.spares, spare_load(p)))
+
+
+def spares_worth(p: ClusterParams) -> int:
+    """The spare count with the highest paid_goodput (the first, on a tie). A spare saves the failures it turns
+    from restarts into swaps, so the dearer a swap, the less it saves: unlike the stall target of
+    spares_needed, this count never rises with the per-failure cost h (d log paid_goodput / dh = lambda B(s),
+    which falls with s). Exact: with s spares paid_goodput is at most gpus / (gpus + s * gpus_per_node), so the
+    search stops where that bound no longer beats the best."""
+    load, blocked = spare_load(p), 1.0
+    best, best_paid, spares = 0, _paid(p, 0, blocked), 0
+    while p.gpus / (p.gpus + (spares + 1) * p.gpus_per_node) > best_paid:
+        spares += 1
+        blocked = load * blocked / (spares + load * blocked)
+        paid = _paid(p, spares, blocked)
+        if paid > best_paid:
+            best, best_paid = spares, paid
+    return best
 
 
 def analytic_goodput(p: ClusterParams) -> dict[str, float]:
@@ -295,7 +334,7 @@ def simulate(p: ClusterParams, days: float = 30.0, runs: int = 4, seed: int = 0)
     """Monte Carlo over `runs` independent horizons of `days`, deterministic given `seed`. One failure stream
     per run drives all three strategies (common random numbers), so their differences are sharper than their
     values. Each run starts with every node up and every spare idle."""
-    _require("days", days)
+    require("days", days)
     if days < 1:
         raise ValueError(f"days must be at least 1, got {days!r}")
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 2:

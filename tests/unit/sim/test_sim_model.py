@@ -8,17 +8,19 @@ from dataclasses import replace
 import pytest
 
 from deadpool.coordinator.policy import initial_plan, plan_after_failures
-from deadpool.sim import cli
+from deadpool.sim import cli, scale
 from deadpool.sim.model import (
     ClusterParams,
     analytic_goodput,
     checkpoint_restart_goodput,
     erlang_b,
     hot_swap_goodput,
+    paid_goodput,
     replica_drop_goodput,
     simulate,
     spare_load,
     spares_needed,
+    spares_worth,
     stalls_per_day,
 )
 
@@ -71,6 +73,28 @@ def test_hot_swap_limits_are_checkpoint_restart_and_pure_swap_cost():
 
 def test_swap_cost_is_the_measured_phases_plus_half_a_step():
     assert ClusterParams(gpus=1024, step_s=2.0).swap_s == pytest.approx(0.07 + 0.001 + 0.08 + 0.12 + 0.02 + 1.0)
+    assert ClusterParams(gpus=1024, step_s=2.0, transfer_s=1.5).swap_s == pytest.approx(0.291 + 1.5 + 1.0)
+
+
+def test_a_given_swap_cost_replaces_the_phases():
+    assert ClusterParams(gpus=1024, swap_cost_s=42.0).swap_s == 42.0
+    assert ClusterParams(gpus=1024, swap_cost_s=0.0).swap_s == 0.0
+
+
+@pytest.mark.parametrize("gpus", SWEEP)
+def test_goodput_falls_and_spares_worth_never_rise_as_a_swap_costs_more(gpus):
+    p = ClusterParams(gpus=gpus, spares=spares_needed(ClusterParams(gpus=gpus)))
+    priced = [replace(p, swap_cost_s=cost) for cost in cli.DEFAULT_COSTS]
+    goodput = [hot_swap_goodput(q) for q in priced]
+    worth = [spares_worth(q) for q in priced]
+    assert all(a > b for a, b in zip(goodput, goodput[1:])), goodput
+    assert all(a >= b for a, b in zip(worth, worth[1:])), worth
+    assert {spares_needed(q) for q in priced} == {p.spares}  # the stall target ignores the swap's cost
+
+
+def test_goodput_of_a_given_swap_cost_with_spares_never_short_is_exp_minus_rate_times_cost():
+    p = ClusterParams(gpus=100000, spares=200, swap_cost_s=30.0)
+    assert hot_swap_goodput(p) == pytest.approx(math.exp(-100000 / (1024 * 7.9 * 3600) * 30.0), rel=1e-12)
 
 
 def test_failure_rate_scales_inversely_from_7_9_hours_at_1024_gpus():
@@ -96,9 +120,10 @@ def test_monte_carlo_checkpoint_restart_matches_closed_form(params):
     assert within(mc.goodput["checkpoint_restart"], checkpoint_restart_goodput(params))
 
 
-@pytest.mark.parametrize("spares", [0, 60], ids=["no-spares", "never-short"])
-def test_monte_carlo_hot_swap_matches_closed_form_where_it_is_exact(spares):
-    p = ClusterParams(gpus=65536, ckpt_interval_s=600.0, spares=spares)
+@pytest.mark.parametrize("spares, cost", [(0, None), (60, None), (60, 120.0)],
+                         ids=["no-spares", "never-short", "never-short-120s"])
+def test_monte_carlo_hot_swap_matches_closed_form_where_it_is_exact(spares, cost):
+    p = ClusterParams(gpus=65536, ckpt_interval_s=600.0, spares=spares, swap_cost_s=cost)
     mc = simulate(p, days=30, runs=20, seed=2)
     assert within(mc.goodput["hot_swap"], hot_swap_goodput(p))
 
@@ -151,8 +176,36 @@ def test_spares_needed_cross_checked_by_monte_carlo_at_a_measurable_target():
     assert short.stalls_per_day.mean > enough.stalls_per_day.mean
 
 
+def test_spares_needed_at_one_erlang_worked_by_hand():
+    """One failure an hour, each spare gone an hour: a = 1 Erlang, 24 failures a day. B(k) = B(k-1) / (k + B(k-1)):
+    1/2, 1/5, 1/16, 1/65, 1/326, 1/1957, 1/13700, 1/109601, so 24 B(k) first falls under 0.1 at 5 spares
+    (0.0736; 0.369 at 4) and under 0.001 at 8 (0.00022; 0.0018 at 7)."""
+    p = ClusterParams(gpus=1024, mttf_hours_at_1024=1.0, spare_replenish_s=3600.0)
+    assert spare_load(p) == pytest.approx(1.0)
+    assert erlang_b(8, 1.0) == pytest.approx(1 / 109601, rel=1e-12)
+    assert spares_needed(p, per_day=0.1) == 5
+    assert spares_needed(p, per_day=1e-3) == 8
+
+
 def test_no_failures_need_no_spares():
     assert spares_needed(ClusterParams(gpus=1024, mttf_hours_at_1024=math.inf)) == 0
+    assert spares_worth(ClusterParams(gpus=1024, mttf_hours_at_1024=math.inf)) == 0
+
+
+def test_paid_goodput_counts_idle_spare_gpus():
+    p = ClusterParams(gpus=1024, mttf_hours_at_1024=math.inf, spares=2)
+    assert paid_goodput(p) == 1024 / (1024 + 2 * 8)
+
+
+@pytest.mark.parametrize("gpus, cost", [(4096, 5.0), (65536, 1.0), (100000, 120.0), (100000, 290.0)])
+def test_spares_worth_is_the_argmax_of_paid_goodput(gpus, cost):
+    p = ClusterParams(gpus=gpus, swap_cost_s=cost)
+    paid = [paid_goodput(replace(p, spares=s)) for s in range(200)]
+    assert spares_worth(p) == paid.index(max(paid))
+
+
+def test_a_swap_dearer_than_a_restart_is_worth_no_spare():
+    assert spares_worth(ClusterParams(gpus=100000, swap_cost_s=10000.0)) == 0
 
 
 def test_pool_rule_is_the_coordinator_policy():
@@ -180,6 +233,9 @@ def test_pool_rule_is_the_coordinator_policy():
     ({"gpus": 1024, "ckpt_interval_s": 0.0}, "ckpt_interval_s"),
     ({"gpus": 1024, "ckpt_cost_s": -1.0}, "ckpt_cost_s"),
     ({"gpus": 1024, "restart_s": "300"}, "restart_s"),
+    ({"gpus": 1024, "transfer_s": -0.5}, "transfer_s"),
+    ({"gpus": 1024, "swap_cost_s": -1.0}, "swap_cost_s"),
+    ({"gpus": 1024, "swap_cost_s": math.inf}, "swap_cost_s"),
 ])
 def test_bad_params_raise_value_error_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -231,11 +287,45 @@ def test_phases_from_runs_are_medians_over_all_their_recoveries_and_a_flag_beats
               for d, r in ((0.05, 0.3), (0.09, 0.5), (0.07, 0.4))]
     write_summary(tmp_path / "one", phases[:1])
     write_summary(tmp_path / "two", phases[1:])
-    args = parse(["--phases-from", str(tmp_path / "one"), str(tmp_path / "two"), "--rebuild-s", "0.25"])
-    assert cli.swap_phases(args) == {"detect_s": 0.07, "decide_s": 0.001, "report_s": 0.4, "rebuild_s": 0.25,
-                                     "restore_s": 0.02}
-    defaults = cli.swap_phases(parse([]))
-    assert defaults == {f"{p}_s": getattr(ClusterParams(gpus=8), f"{p}_s") for p in cli.PHASES}
+    measured = cli.measured_phases([tmp_path / "one", tmp_path / "two"])
+    args = parse(["--rebuild-s", "0.25"])
+    assert cli.swap_phases(args, 100000, measured, 0.0) == {"detect_s": 0.07, "decide_s": 0.001, "report_s": 0.4,
+                                                            "rebuild_s": 0.25, "transfer_s": 0.0, "restore_s": 0.02}
+
+
+def test_phases_default_to_the_swap_model_at_each_size():
+    for gpus in (1024, 100000):
+        assert cli.swap_phases(parse([]), gpus, {}, 0.5) == scale.swap_phases(
+            scale.NCCL_SHRINK, ranks=gpus, ranks_per_node=8, node_state_bytes=scale.DEFAULT_NODE_STATE_BYTES,
+            step_s=5.0, hang_fraction=0.5)
+    gloo = cli.swap_phases(parse(["--swap-model", "gloo-here", "--node-state-gb", "2"]), 64, {}, 0.0)
+    assert gloo["rebuild_s"] == scale.rebuild_s(scale.GLOO_HERE, 64)
+    assert gloo["transfer_s"] == 2e9 / scale.GLOO_HERE.link_bytes_per_s
+
+
+def test_command_prices_each_size_and_tabulates_the_costs_given(tmp_path, capsys):
+    assert cli.main(parse(["--gpus", "1024", "100000", "--days", "2", "--runs", "2", "--hang-fraction", "0.1",
+                           "--costs", "1", "120", "--out", str(tmp_path)])) == 0
+    out = capsys.readouterr().out
+    assert "Hot swap per failure, by phase" in out and "Sensitivity to the per-failure cost" in out
+    small, large = json.loads((tmp_path / "simulate.json").read_text())["sizes"]
+    assert small["swap_s"] < large["swap_s"]  # report and rebuild grow with the world
+    for size in (small, large):
+        p = size["params"]
+        assert size["swap_s"] == pytest.approx(0.9 * size["swap_s_crash"] + 0.1 * size["swap_s_hang"])
+        assert size["swap_s_hang"] - size["swap_s_crash"] == pytest.approx(40.0 - 0.054)
+        assert [s["swap_s"] for s in size["sensitivity"]] == [1.0, 120.0]
+        assert size["sensitivity"][0]["goodput"] > size["sensitivity"][1]["goodput"]
+        assert size["sensitivity"][1]["goodput"] == pytest.approx(
+            hot_swap_goodput(ClusterParams(**p | {"swap_cost_s": 120.0})), rel=1e-12)
+
+
+@pytest.mark.parametrize("flags, message", [(["--hang-fraction", "2"], "hang_fraction"),
+                                            (["--node-state-gb", "-1"], "--node-state-gb"),
+                                            (["--costs", "5", "inf"], "--costs")])
+def test_command_reports_bad_model_input_with_exit_code_2(flags, message, capsys):
+    assert cli.main(parse(["--gpus", "1024", *flags])) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_phases_from_a_run_without_recoveries_is_a_clear_error(tmp_path, capsys):
