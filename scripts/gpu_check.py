@@ -76,10 +76,12 @@ def correctness(out: Path, backend: str, model: list[str], deterministic: bool) 
         run = job(out, backend, f"kill-{phase}-{tag}", args, deterministic=deterministic,
                   faults=(Fault(kind="kill", rank=0, step=12, phase=phase),))
         devices = {e.get("device") for e in run.named("group_joined") if e.get("proc") == "s0"}
+        taker = [e for e in run.named("snapshot") if e["proc"] == "s0"]
         result[f"kill_{phase}"] = {
             "exit": run.summary["exit_code"],
             "swaps": run.summary["swaps"],
             "spare_device": sorted(d for d in devices if d),
+            "taker_snapshots_pinned": bool(taker) and all(e["pinned"] for e in taker),
             "state_equal": run.summary["final_state_sha256"] == reference.summary["final_state_sha256"],
             "losses_equal": run.summary["losses"] == reference.summary["losses"],
             "kill_to_next_step_s": [r["kill_to_next_step_s"] for r in run.summary["recoveries"]],
@@ -164,6 +166,9 @@ def main() -> int:
               v["exit"] == 0 and v["swaps"] == 1 and v["state_equal"] and v["losses_equal"]
               and v["spare_device"] == [device]
               for k, v in det.items() if k.startswith("kill_")}
+    if not args.rehearse:
+        checks["the spare, once called, snapshots into pinned slots"] = all(
+            v["taker_snapshots_pinned"] for k, v in det.items() if k.startswith("kill_"))
     if "overhead" in report and not args.rehearse:
         path = report["overhead"]["snapshot_path"]
         checks["slots pinned from snapshot 1 on"] = path["pinned_from_step_1"]
