@@ -9,7 +9,7 @@ from pathlib import Path
 
 from deadpool.errors import ConfigError
 
-FAULT_KINDS = ("kill", "hang", "error", "corrupt_replica")
+FAULT_KINDS = ("kill", "kill_node", "hang", "error", "corrupt_replica")
 FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate", "recovery")
 BACKLOG_POLICIES = ("wait", "skip")
 DIVERGENCE_ACTIONS = ("stop", "warn")
@@ -19,7 +19,8 @@ DIVERGENCE_ACTIONS = ("stop", "warn")
 class Fault:
     """One injected fault: `kind` hits `rank` in `phase` of `step`, once per job.
 
-    `kill` SIGKILLs the process running that rank; `hang` stops it with SIGSTOP (it stays alive,
+    `kill` SIGKILLs the process running that rank; `kill_node` SIGKILLs its whole node (its agent and every
+    process it started, at once); `hang` stops it with SIGSTOP (it stays alive,
     silent, holding its sockets: only the hang detector can tell); `error` raises an exception in
     the training script (a bug, not a node failure); `corrupt_replica` flips a byte of the replica
     of that rank's snapshot `step` in its holder's memory (phase is ignored). Phase `recovery`
@@ -50,6 +51,9 @@ class JobConfig:
     settle_s: failures that arrive within this window of the first are recovered as one set.
     on_divergence: what the coordinator does when data-parallel replicas stop being bit-identical.
     seed: seeds Python's and NumPy's global RNGs in every process (plus its rank), and PYTHONHASHSEED.
+    nproc_per_node: 0 runs every process under the launcher itself, on this machine; R > 0 runs them on
+    nodes of R processes, one agent per node (launcher/node.py): workers / R worker nodes and spares / R
+    spare nodes. node_timeout_s: an agent silent this long has lost its node.
     gpus_per_node: GPUs the processes of this node share out (coordinator/policy.place_devices); None
     counts the visible ones at launch, 0 trains on the CPU.
     deterministic: makes a replayed step compute the same bits on a GPU (torch's deterministic kernels,
@@ -72,6 +76,8 @@ class JobConfig:
     backlog_policy: str = "wait"
     on_divergence: str = "stop"
     seed: int = 0
+    nproc_per_node: int = 0
+    node_timeout_s: float = 2.0
     gpus_per_node: int | None = None
     deterministic: bool = True
     poll_interval_s: float = 0.02
@@ -99,6 +105,14 @@ class JobConfig:
             raise ConfigError(f"--backlog-policy must be one of {BACKLOG_POLICIES}, got {self.backlog_policy!r}")
         if self.on_divergence not in DIVERGENCE_ACTIONS:
             raise ConfigError(f"--on-divergence must be one of {DIVERGENCE_ACTIONS}, got {self.on_divergence!r}")
+        if self.nproc_per_node < 0 or (self.nproc_per_node and (self.workers % self.nproc_per_node
+                                                                 or self.spares % self.nproc_per_node)):
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must divide the workers ({self.workers}) and "
+                              f"spares ({self.spares}) into whole nodes")
+        if not self.node_timeout_s > 0:
+            raise ConfigError(f"--node-timeout must be positive, got {self.node_timeout_s}")
+        if any(f.kind == "kill_node" for f in self.faults) and not self.nproc_per_node:
+            raise ConfigError("a kill_node fault needs nodes: run with --nnodes (one agent per node)")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise ConfigError(f"--gpus-per-node must be 0 or more, got {self.gpus_per_node}")
         if not 0 <= self.seed < 2**32:
@@ -125,6 +139,11 @@ class JobConfig:
     @property
     def world_size(self) -> int:
         return self.workers
+
+    @property
+    def nodes(self) -> int:
+        """Worker and spare nodes, when the job runs on node agents (0 otherwise)."""
+        return (self.workers + self.spares) // self.nproc_per_node if self.nproc_per_node else 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -6,6 +6,7 @@ import argparse
 import json
 import random
 import sys
+from dataclasses import replace
 
 from deadpool.config import Fault
 from deadpool.errors import ConfigError
@@ -29,22 +30,43 @@ def _print_recoveries(summary: dict) -> None:
               f"{r['fault_to_frontier_s']:.2f} s\n  phases: {phases}", flush=True)
 
 
+def _faults(args: argparse.Namespace, workers: int, spares: int, nproc: int) -> tuple[list[Fault], str]:
+    """The demo's fault(s), and how to say what they do."""
+    if args.fail == "node":
+        if not nproc:
+            raise ConfigError("--fail node needs nodes: add --nnodes M --nproc-per-node R --spare-nodes 1")
+        nodes = workers // nproc
+        node = args.fail_node if args.fail_node is not None else random.randrange(nodes)
+        if not 0 <= node < nodes:
+            raise ConfigError(f"--fail-node must be a worker node, 0..{nodes - 1}, got {node}")
+        if spares < nproc:
+            raise ConfigError("failing a whole node needs a spare node: add --spare-nodes 1")
+        ranks = list(range(node * nproc, (node + 1) * nproc))
+        return ([Fault(kind="kill_node", rank=ranks[0], step=args.fail_at, phase="backward")],
+                f"node {node} (its agent and ranks {', '.join(map(str, ranks))}) SIGKILLed at once")
+    ranks = args.fail_rank if args.fail_rank is not None else [random.randrange(workers)]
+    if len(ranks) > spares:
+        raise ConfigError(f"failing {len(ranks)} worker(s) at once needs as many spares, got {spares}")
+    how = "SIGKILLed" if args.fail == "kill" else "stopped with SIGSTOP (a hang)"
+    return ([Fault(kind=args.fail, rank=rank, step=args.fail_at, phase="backward") for rank in ranks],
+            f"rank(s) {', '.join(map(str, ranks))} {how}")
+
+
 def demo(args: argparse.Namespace) -> int:
     if not EXAMPLE.is_file():
         raise ConfigError(f"the example trainer is not at {EXAMPLE}; run the demo from a clone of the repository "
                           "installed with `pip install -e .`")
     if not 1 <= args.fail_at <= args.steps:
         raise ConfigError(f"--fail-at must be a step between 1 and --steps ({args.steps}), got {args.fail_at}")
-    ranks = args.fail_rank if args.fail_rank is not None else [random.randrange(args.workers)]
-    if len(ranks) > args.spares:
-        raise ConfigError(f"failing {len(ranks)} worker(s) at once needs as many spares, got --spares {args.spares}")
     out = args.out or default_out("demo")
     script_args = ["--steps", str(args.steps), "--log-every", "5"]
-    faults = [Fault(kind=args.fail, rank=rank, step=args.fail_at, phase="backward") for rank in ranks]
-    how = "SIGKILLed" if args.fail == "kill" else "stopped with SIGSTOP (a hang)"
-    _banner(f"training on {args.workers} workers + {args.spares} spare(s); rank(s) {', '.join(map(str, ranks))} "
-            f"{how} in the backward pass of step {args.fail_at}")
-    code, faulty = launch(job_config(args, str(EXAMPLE), script_args, out, faults=faults))
+    shape = job_config(args, str(EXAMPLE), script_args, out)  # workers, spares and nodes, as the job will run
+    faults, what = _faults(args, shape.workers, shape.spares, shape.nproc_per_node)
+    where = (f"{shape.workers // shape.nproc_per_node} nodes x {shape.nproc_per_node} workers + "
+             f"{shape.spares // shape.nproc_per_node} spare node(s)" if shape.nproc_per_node
+             else f"{shape.workers} workers + {shape.spares} spare(s)")
+    _banner(f"training on {where}; {what} in the backward pass of step {args.fail_at}")
+    code, faulty = launch(replace(shape, faults=tuple(faults)))
     if code != 0:
         print(f"the run with a failure did not finish: {faulty['error']}", file=sys.stderr)
         return code
@@ -52,7 +74,7 @@ def demo(args: argparse.Namespace) -> int:
     _print_recoveries(faulty)
 
     _banner("the same job without the failure, for comparison")
-    code, reference = launch(job_config(args, str(EXAMPLE), script_args, out / "reference", faults=[]))
+    code, reference = launch(replace(shape, run_dir=str(out / "reference"), faults=()))
     if code != 0:
         print(f"the reference run failed: {reference['error']}", file=sys.stderr)
         return code

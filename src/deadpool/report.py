@@ -27,7 +27,7 @@ def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, A
     gen, t_detect, hang = done["gen"], done["detected_t"], done["hang"]
     # an injected fault explains this failure only if it came after the previous recovery completed
     began = max((e["t"] for e in events if e["event"] == "swap_complete" and e["t"] < t_detect), default=float("-inf"))
-    faults = [e for e in events if e["event"] == "fault_injected" and e["kind"] in ("kill", "hang")
+    faults = [e for e in events if e["event"] == "fault_injected" and e["kind"] in ("kill", "kill_node", "hang")
               and began <= e["t"] <= t_detect]
     first = min(faults, key=lambda e: e["t"], default=None)
     t_fail = first["t"] if first else (hang["last_progress_t"] if hang else t_detect)

@@ -28,7 +28,7 @@ def test_fault_accepts_every_catalog_phase(phase):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(kind="explode", rank=0, step=1),
-     "fault kind 'explode' is not one of ('kill', 'hang', 'error', 'corrupt_replica')"),
+     "fault kind 'explode' is not one of ('kill', 'kill_node', 'hang', 'error', 'corrupt_replica')"),
     (dict(kind="kill", rank=0, step=1, phase="sideways"),
      "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', 'after_optimizer', "
      "'snapshot_copy', 'replicate', 'recovery')"),

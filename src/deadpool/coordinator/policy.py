@@ -49,14 +49,18 @@ def describe_exit(returncode: int) -> str:
 FINISHED, SCRIPT_ERROR, FAILURE = "finished", "script_error", "failure"
 
 
-def classify_exit(returncode: int, *, fenced: bool, started: bool, script_error: str | None) -> Decision[str]:
+def classify_exit(returncode: int, *, fenced: bool, started: bool, script_error: str | None,
+                  lost_with_node: str | None = None) -> Decision[str]:
     """A node failure is what a spare can fix; a bug in the script would only be replayed into again.
 
     - exit code 0: the process finished;
     - an error the runtime reported as the script's own (an exception outside the communication layer),
       or a non-zero exit before deadpool.init() (syntax error, bad import, bad arguments): script error;
-    - death by a signal, a fence after a hang, or any other non-zero exit: a failure of that process.
+    - death by a signal, a fence after a hang, or any other non-zero exit: a failure of that process;
+    - no exit at all, because its node was lost (its agent stopped): a failure.
     """
+    if lost_with_node is not None:
+        return Decision(FAILURE, f"lost with {lost_with_node}")
     if returncode == 0:
         return Decision(FINISHED, "exited with code 0")
     if script_error is not None and not fenced:
@@ -255,13 +259,15 @@ def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float) -> D
 
     A rank that waits in a collective is never the culprit while another rank is silent or stuck:
     it is the victim. If everyone waits and nobody is silent, no one is to blame here (the
-    collective timeout ends it). A rank that reported "finished" is never hung: it is exiting.
+    collective timeout ends it). A rank that reported "finished" is never hung: it is exiting. A rank still
+    in its script's set-up ("start": loading data, building the model, before session.run) may take any
+    time without progress; only its silence counts.
     """
     pulses = {r: p for r, p in pulses.items() if p.phase != "finished"}  # done: its silence is its exit
     silent = {r for r, p in pulses.items() if now - p.beat_t >= timeout_s}
     waiting = {r for r, p in pulses.items() if p.waiting}
     stuck = {r for r, p in pulses.items()
-             if not p.waiting and now - p.progress_t >= timeout_s and waiting - {r}}
+             if not p.waiting and p.phase != "start" and now - p.progress_t >= timeout_s and waiting - {r}}
     hung = silent | stuck
     if not hung:
         return Decision(None, "every rank progresses or waits on a live peer")

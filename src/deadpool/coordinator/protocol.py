@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 # Process identity travels in the environment; everything else is in the config file it names.
 ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
+CONFIG_KEY = "deadpool/job"  # the job's config as JSON, unprefixed: what an agent reads first (launcher/node.py)
 ENV_DEVICE = "DEADPOOL_DEVICE"  # this process's GPU index, empty for none (coordinator/policy.place_devices)
 
 
@@ -115,6 +116,29 @@ class Keys:
     def device(self, proc: str) -> str:
         """The GPU a process trains on: a spare without one of its own takes the device of the rank it replaces."""
         return self._k(f"device/{proc}")
+
+    def fence(self, proc: str) -> str:
+        """Set by the coordinator: the agent running `proc` SIGKILLs it."""
+        return self._k(f"fence/{proc}")
+
+    # node agents (launcher/node.py, coordinator/nodes.py)
+    def node(self, node: int) -> str:
+        return self._k(f"node/{node}")
+
+    def node_beat(self, node: int) -> str:
+        return self._k(f"node/{node}/beat")
+
+    def node_spawn(self, node: int, index: int) -> str:
+        return self._k(f"node/{node}/spawn/{index}")
+
+    def node_spawned(self, node: int) -> str:
+        return self._k(f"node/{node}/spawned")
+
+    def node_exit(self, node: int, proc: str) -> str:
+        return self._k(f"node/{node}/exit/{proc}")
+
+    def node_pid(self, proc: str) -> str:
+        return self._k(f"pid/{proc}")
 
     def script_error(self, proc: str) -> str:
         return self._k(f"error/{proc}")

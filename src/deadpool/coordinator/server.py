@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import (
@@ -42,7 +42,24 @@ from deadpool.coordinator.policy import (
 )
 from deadpool.coordinator.protocol import Keys, Plan
 from deadpool.events import EventLog
-from deadpool.launcher.agent import Agent, Child
+
+
+class Exit(Protocol):
+    name: str
+    returncode: int | None
+    pid: int | None
+
+
+class Processes(Protocol):
+    """Who starts, watches and fences the job's processes: the launcher itself (launcher/agent.py) or one
+    agent per node through the store (coordinator/nodes.py)."""
+
+    def spawn(self, name: str, role: str, rank: int) -> Any: ...
+    def poll(self) -> list[Any]: ...
+    def fence(self, name: str) -> None: ...
+    def alive(self) -> set[str]: ...
+    def relabel(self, name: str, label: str) -> None: ...
+    def stop_all(self, grace_s: float) -> None: ...
 
 
 class Phase(enum.Enum):
@@ -74,7 +91,7 @@ class _Liveness:
 
 
 class Coordinator:
-    def __init__(self, config: JobConfig, store: Any, events: EventLog, agent: Agent) -> None:
+    def __init__(self, config: JobConfig, store: Any, events: EventLog, agent: Processes) -> None:
         self.config = config
         self.store = store
         self.keys = Keys(config.token)
@@ -104,10 +121,12 @@ class Coordinator:
         self._publish(self.plan)
         for rank, name in enumerate(self.plan.ranks):
             child = self.agent.spawn(name, "worker", rank)
-            self.events.emit("process_spawned", proc=name, pid=child.pid, role="worker", rank=rank)
+            self.events.emit("process_spawned", proc=name, pid=child.pid, role="worker", rank=rank,
+                             node=getattr(child, "node", None))
         for i, name in enumerate(self.plan.spares):
             child = self.agent.spawn(name, "spare", self.plan.world_size + i)
-            self.events.emit("process_spawned", proc=name, pid=child.pid, role="spare", rank=None)
+            self.events.emit("process_spawned", proc=name, pid=child.pid, role="spare", rank=None,
+                             node=getattr(child, "node", None))
         while True:
             for child in self.agent.poll():
                 outcome = self._on_exit(child)
@@ -120,13 +139,14 @@ class Coordinator:
 
     # ---- inputs -----------------------------------------------------------------------------
 
-    def _on_exit(self, child: Child) -> int | None:
+    def _on_exit(self, child: Exit) -> int | None:
         code, name = child.returncode, child.name
         assert code is not None
         error_key = self.keys.script_error(name)
         script_error = json.loads(self.store.get(error_key)) if self.store.check([error_key]) else None
         verdict = classify_exit(code, fenced=name in self.fenced, started=self.store.check([self.keys.started(name)]),
-                                script_error=script_error and script_error["error"])
+                                script_error=script_error and script_error["error"],
+                                lost_with_node=getattr(child, "lost_with_node", None))
         rank = self.plan.rank_of(name)
         if verdict.value == FINISHED:
             if rank is not None:
@@ -333,8 +353,8 @@ class Coordinator:
             self.store.set(self.keys.abort(gen - 1), plan.reason)
             self._say(f"generation {gen}: {plan.reason}")
         for rank, name in enumerate(plan.ranks):
-            if name in self.agent.children and name.startswith("s"):
-                self.agent.children[name].label = f"{name}=r{rank}"
+            if name.startswith("s"):
+                self.agent.relabel(name, f"{name}=r{rank}")
         self.events.emit("plan_published", ranks=list(plan.ranks), holders=[list(h) for h in plan.holders],
                          spares=list(plan.spares), sources=list(plan.sources), reason=plan.reason)
 
@@ -344,7 +364,7 @@ class Coordinator:
         self.events.emit("job_finished", generation=self.plan.generation)
         return 0
 
-    def _script_error(self, child: Child, reason: str, report: dict[str, Any] | None) -> int:
+    def _script_error(self, child: Exit, reason: str, report: dict[str, Any] | None) -> int:
         """A bug in the script: replaying it on a spare would raise it again, so the job stops here."""
         where = child.name
         if report and report["rank"] is not None:

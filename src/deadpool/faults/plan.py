@@ -36,17 +36,20 @@ class FaultInjector:
 
     def point(self, phase: str, step: int) -> None:
         """Fires the plan's fault for this rank at this exact point, if there is one: `kill` is a real,
-        uncatchable SIGKILL; `hang` a real SIGSTOP (the process stays, silent, holding its sockets);
-        `error` an exception raised into the training script, as a bug in it would."""
+        uncatchable SIGKILL; `kill_node` the same to this process's whole node (its agent's process group:
+        the agent and every process it started); `hang` a real SIGSTOP (the process stays, silent, holding
+        its sockets); `error` an exception raised into the training script, as a bug in it would."""
         if not self.faults or self.rank is None:
             return
-        for kind in ("kill", "hang", "error"):
+        for kind in ("kill", "kill_node", "hang", "error"):
             if self._claim(kind, self.rank, step, phase) is None:
                 continue
             self.events.emit("fault_injected", kind=kind, target_rank=self.rank, step=step, phase=phase)
             if kind == "error":
                 raise InjectedError(f"injected error on rank {self.rank} in {phase} of step {step}")
-            os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+            if kind == "kill_node":
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
 
     def should_corrupt(self, rank: int, step: int) -> bool:
         """True once for the planned (rank, step): the holder then flips a byte of that replica."""

@@ -58,21 +58,25 @@ class Child:
 class Agent:
     """Runs the training script once per process, each line of its output prefixed with who said it."""
 
-    def __init__(self, config: JobConfig, config_path: Path, echo: TextIO | None = sys.stdout) -> None:
+    def __init__(self, config: JobConfig, config_path: Path, echo: TextIO | None = sys.stdout, prefix: str = "",
+                 command_prefix: tuple[str, ...] = ()) -> None:
         self.config = config
         self.config_path = config_path
         self.echo = echo
+        self.prefix = prefix    # before each process's name in its output lines (a node agent's: "n1:")
+        self.command_prefix = command_prefix  # before each command (a node agent's: die with the agent)
         self.children: dict[str, Child] = {}
         self.log_dir = Path(config.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, role: str, rank: int) -> Child:
-        """Starts one process as `rank` (a spare: a placeholder rank past the workers')."""
+        """Starts one process as `rank` (a spare: a placeholder rank past the workers'). Its pid is in child.pid."""
         env = process_env(self.config, self.config_path, name, role, rank, os.environ)
-        popen = subprocess.Popen([sys.executable, "-u", self.config.script, *self.config.script_args], env=env,
+        command = [*self.command_prefix, sys.executable, "-u", self.config.script, *self.config.script_args]
+        popen = subprocess.Popen(command, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, errors="replace")
-        child = Child(name, role, popen, label=name)
+        child = Child(name, role, popen, label=f"{self.prefix}{name}")
         child.pump = threading.Thread(target=self._pump, args=(child,), name=f"pump-{name}", daemon=True)
         child.pump.start()
         self.children[name] = child
@@ -97,6 +101,11 @@ class Agent:
                 child.returncode = child.popen.returncode
                 exited.append(child)
         return exited
+
+    def relabel(self, name: str, label: str) -> None:
+        """Changes the prefix of a process's output lines (a spare that took a rank: "s0=r2")."""
+        if name in self.children:
+            self.children[name].label = f"{self.prefix}{label}"
 
     def alive(self) -> set[str]:
         return {name for name, c in self.children.items() if c.returncode is None and c.popen.poll() is None}

@@ -1,4 +1,4 @@
-"""`deadpool run | demo | bench | simulate`: the parser, and which command runs; exit code back."""
+"""`deadpool run | coordinator | agent | demo | bench | simulate`: the parser, and which command runs."""
 
 from __future__ import annotations
 
@@ -28,11 +28,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
+    coordinator = sub.add_parser("coordinator", help="run a job's coordinator alone; node agents join it")
+    add_job_options(coordinator, workers=1, spares=0)
+    coordinator.add_argument("--out", type=Path, default=None, help="run directory (events.jsonl, summary.json)")
+    coordinator.add_argument("script")
+    coordinator.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    agent = sub.add_parser("agent", help="the agent of one node: runs its processes for a coordinator")
+    agent.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+                       help="the coordinator's store (its --master-addr and --master-port)")
+    agent.add_argument("--node-rank", type=int, required=True, help="this node's number: 0, 1, ... (torchrun's)")
+    agent.add_argument("--out", type=Path, default=None, help="run directory on this node (default: the job's)")
+    agent.add_argument("--connect-timeout", type=float, default=60.0, help="s to wait for the coordinator")
+
     demo = sub.add_parser("demo", help="train the example GPT, kill a worker mid-step, compare with a clean run")
     add_job_options(demo)
     demo.add_argument("--steps", type=int, default=40)
-    demo.add_argument("--fail", choices=("kill", "hang"), default="kill",
-                      help="kill: SIGKILL; hang: SIGSTOP (the hang detector must find and fence it)")
+    demo.add_argument("--fail", choices=("kill", "hang", "node"), default="kill",
+                      help="kill: SIGKILL; hang: SIGSTOP (the hang detector must find and fence it); node: SIGKILL "
+                           "a whole node, its agent and every rank on it (needs --nnodes and --spare-nodes)")
+    demo.add_argument("--fail-node", type=int, default=None, help="--fail node: which worker node (default: random)")
     demo.add_argument("--fail-at", type=int, default=20, help="step in whose backward pass the fault strikes")
     demo.add_argument("--fail-rank", type=ranks_list, default=None,
                       help="worker(s) to fail at the same point, e.g. 2 or 0,2 (default: a random one)")
@@ -89,6 +104,18 @@ def main(argv: list[str] | None = None) -> int:
             code, _ = launch(job_config(args, args.script, args.script_args, out))
             print(f"[deadpool] run directory: {out}", flush=True)
             return code
+        if args.command == "coordinator":
+            from deadpool.launcher.launch import launch
+
+            config = job_config(args, args.script, args.script_args, args.out or default_out("run"))
+            if not config.nproc_per_node:
+                raise ConfigError("deadpool coordinator runs nodes: give --nnodes (and --nproc-per-node)")
+            code, _ = launch(config, start_agents=False)
+            return code
+        if args.command == "agent":
+            from deadpool.launcher.node import agent_main
+
+            return agent_main(args.coordinator, args.node_rank, args.out, args.connect_timeout)
         if args.command == "simulate":
             return sim_cli.main(args)
         if args.command == "demo":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -15,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 from deadpool.config import JobConfig
+from deadpool.coordinator.nodes import RemoteNodes
 from deadpool.coordinator.policy import place_devices
-from deadpool.coordinator.server import Coordinator
+from deadpool.coordinator.protocol import CONFIG_KEY, Keys
+from deadpool.coordinator.server import Coordinator, Processes
 from deadpool.errors import ConfigError
 from deadpool.events import EventLog
 from deadpool.launcher.agent import Agent
@@ -47,8 +50,44 @@ def count_gpus(config: JobConfig) -> int:
     return gpus
 
 
-def launch(config: JobConfig, echo: TextIO | None = sys.stdout) -> tuple[int, dict]:
-    """Runs the job to its end and returns (exit code, summary). The summary is also in run_dir/summary.json."""
+def start_nodes(config: JobConfig, store: dist.TCPStore, events: EventLog, echo: TextIO | None,
+                start_agents: bool) -> RemoteNodes:
+    """Publishes the job for the node agents, starts one per node on this machine if asked (`deadpool run
+    --nnodes`; `deadpool coordinator` waits for agents started elsewhere), and waits until every node joined."""
+    store.set(CONFIG_KEY, config.to_json())
+    keys, agents = Keys(config.token), {}
+    if start_agents:
+        out = None if echo is not None else subprocess.DEVNULL
+        for node in range(config.nodes):
+            agents[node] = subprocess.Popen(
+                [sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
+                 f"{config.store_host}:{config.store_port}", "--node-rank", str(node)],
+                stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)  # a node: its own group
+    else:
+        print(f"[coordinator] waiting for {config.nodes} node agents: on each node run `deadpool agent "
+              f"--coordinator {config.store_host}:{config.store_port} --node-rank K` (K = 0..{config.nodes - 1}; "
+              f"{config.workers // config.nproc_per_node} worker nodes first, then spare nodes)", flush=True)
+    deadline = time.monotonic() + config.connect_timeout_s
+    missing = list(range(config.nodes))
+    while missing:
+        missing = [n for n in missing if not store.check([keys.node(n)])]
+        dead = [n for n, agent in agents.items() if agent.poll() is not None]
+        if dead or (missing and time.monotonic() > deadline):
+            for agent in agents.values():
+                agent.kill()
+            what = f"the agents of nodes {dead} exited" if dead else f"nodes {missing} did not join"
+            raise ConfigError(f"{what} within {config.connect_timeout_s:g} s of the job's start")
+        time.sleep(0.02)
+    joined = [json.loads(store.get(keys.node(n))) for n in range(config.nodes)]
+    events.emit("nodes_joined", nodes=config.nodes, nproc_per_node=config.nproc_per_node,
+                hosts=[j["host"] for j in joined], agent_pids=[j["pid"] for j in joined])
+    return RemoteNodes(store, keys, list(range(config.nodes)), config.nproc_per_node, config.node_timeout_s, agents)
+
+
+def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bool = True) -> tuple[int, dict]:
+    """Runs the job to its end and returns (exit code, summary). The summary is also in run_dir/summary.json.
+    With nodes (config.nproc_per_node), the processes run under one agent per node; `start_agents` False
+    waits for agents started by hand or by a scheduler instead of starting them here."""
     if not Path(config.script).is_file():
         raise ConfigError(f"training script {config.script!r} does not exist")
     run_dir = Path(config.run_dir)
@@ -66,7 +105,8 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout) -> tuple[int, di
     events = EventLog(run_dir / "events.jsonl", role="coordinator", proc="coordinator")
     events.emit("job_start", workers=config.workers, spares=config.spares, port=store.port,
                 snapshot_every=config.snapshot_every, devices=devices.value, placement=devices.reason)
-    agent = Agent(config, config_path, echo=echo)
+    agent: Processes = (start_nodes(config, store, events, echo, start_agents) if config.nproc_per_node
+                        else Agent(config, config_path, echo=echo))
     started = time.monotonic()
     try:
         code = Coordinator(config, store, events, agent).run()

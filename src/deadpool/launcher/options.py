@@ -40,8 +40,16 @@ def snapshot_every(text: str) -> int | str:
 
 
 def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 1) -> None:
-    p.add_argument("--workers", "--nproc-per-node", type=int, default=workers, help="ranks (worker processes)")
-    p.add_argument("--spares", type=int, default=spares, help="standby processes that can take over a rank")
+    p.add_argument("--workers", "--nproc-per-node", type=int, default=workers,
+                   help="ranks (worker processes); with --nnodes, ranks per node")
+    p.add_argument("--spares", type=int, default=spares,
+                   help="standby processes that can take over a rank (one machine; with nodes see --spare-nodes)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="worker nodes, one agent each (launcher/node.py); every node runs --nproc-per-node ranks")
+    p.add_argument("--spare-nodes", type=int, default=0,
+                   help="spare nodes of --nproc-per-node spares each: a lost node's ranks move to one of them")
+    p.add_argument("--node-timeout", type=float, default=2.0,
+                   help="s an agent may stay silent before its node counts as lost (its ranks are replaced)")
     p.add_argument("--snapshot-every", type=snapshot_every, default=1, help="K steps, 0 = off, or auto")
     p.add_argument("--snapshot-budget", type=float, default=0.01, help="auto: snapshot cost / step time")
     p.add_argument("--backlog-policy", choices=("wait", "skip"), default="wait",
@@ -58,6 +66,8 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                    help="deterministic GPU kernels, so a replayed step gives the same bits (default: on)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address the coordinator's store listens on")
     p.add_argument("--master-port", type=int, default=0, help="port of the coordinator's store (0 = any free)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="torchrun's name for --master-addr and --master-port together")
     p.add_argument("--settle-window", type=float, default=0.05,
                    help="s: failures this close to the first are recovered together, in one new generation")
     p.add_argument("--hang-timeout", type=float, default=None,
@@ -72,8 +82,22 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
 
 def job_config(args: argparse.Namespace, script: str, script_args: list[str], run_dir: Path,
                faults: list[Fault] | None = None, **overrides: object) -> JobConfig:
-    fields = dict(script=script, script_args=tuple(script_args), workers=args.workers, spares=args.spares,
-                  run_dir=str(run_dir), store_host=args.master_addr, store_port=args.master_port,
+    host, port = args.master_addr, args.master_port
+    if args.rdzv_endpoint:
+        host, _, text = args.rdzv_endpoint.rpartition(":")
+        if not host or not text.isdigit():
+            raise ConfigError(f"--rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
+        port = int(text)
+    workers, spares, nproc = args.workers, args.spares, 0
+    if args.nnodes is not None or args.spare_nodes:  # nodes: --nproc-per-node (alias --workers) ranks on each
+        if (args.nnodes is not None and args.nnodes < 1) or args.spare_nodes < 0:
+            raise ConfigError(f"--nnodes must be at least 1 and --spare-nodes 0 or more, got {args.nnodes} and "
+                              f"{args.spare_nodes}")
+        nproc = args.workers
+        workers, spares = (args.nnodes or 1) * nproc, args.spare_nodes * nproc
+    fields = dict(script=script, script_args=tuple(script_args), workers=workers, spares=spares,
+                  nproc_per_node=nproc, node_timeout_s=args.node_timeout,
+                  run_dir=str(run_dir), store_host=host, store_port=port,
                   backend=args.backend, gpus_per_node=args.gpus_per_node, deterministic=args.deterministic,
                   snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
                   backlog_policy=args.backlog_policy, on_divergence=args.on_divergence, seed=args.seed,

@@ -279,6 +279,15 @@ def test_a_busy_rank_without_progress_is_hung_while_a_peer_waits():
     assert "rank 1 made no progress for 5.0 s in forward of step 8 (last heartbeat 0.1 s ago)" in decision.reason
 
 
+def test_a_long_set_up_is_not_a_hang_but_silence_in_it_is():
+    """Rank 1 still loads its data (phase "start", heartbeat alive) while rank 0 waits in the first broadcast:
+    set-up may take any time. Silent in set-up (SIGSTOP), it is hung."""
+    working = {0: pulse(29.9, 2.0, waiting=True, phase="broadcast", step=0), 1: pulse(29.9, 0.0, phase="start", step=0)}
+    assert not hang_verdict(30.0, working, 10.0).ok
+    silent = {0: pulse(29.9, 2.0, waiting=True, phase="broadcast", step=0), 1: pulse(15.0, 0.0, phase="start", step=0)}
+    assert hang_verdict(30.0, silent, 10.0).value == frozenset({1})
+
+
 def test_a_long_step_with_nobody_waiting_is_not_a_hang():
     assert not hang_verdict(10.0, {0: pulse(9.9, 2.0), 1: pulse(9.9, 2.0)}, 3.0).ok
 

@@ -39,7 +39,7 @@ FORMAT = ("expected KIND:RANK[+RANK...]:STEP[:PHASE], e.g. kill:2:15:backward or
     ("kill:1:three", f"--fault 'kill:1:three': {FORMAT}"),
     ("kill:-1:3", f"--fault 'kill:-1:3': {FORMAT}"),
     ("kill:0+:3", f"--fault 'kill:0+:3': {FORMAT}"),
-    ("explode:1:2", "fault kind 'explode' is not one of ('kill', 'hang', 'error', 'corrupt_replica')"),
+    ("explode:1:2", "fault kind 'explode' is not one of ('kill', 'kill_node', 'hang', 'error', 'corrupt_replica')"),
     ("kill:1:0", "fault needs rank >= 0 and step >= 1, got rank=1 step=0"),
     ("kill:1:2:sideways", "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', "
                           "'after_optimizer', 'snapshot_copy', 'replicate', 'recovery')"),
@@ -133,3 +133,23 @@ def test_parser_rejects_bad_arguments(argv, complaint, capsys):
         build_parser().parse_args(argv)
     assert info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_nodes_take_torchruns_flags():
+    args = build_parser().parse_args(["run", "--nnodes", "3", "--nproc-per-node", "2", "--spare-nodes", "1",
+                                      "--rdzv-endpoint", "head:29400", "--node-timeout", "5", "train.py"])
+    config = job_config(args, args.script, args.script_args, Path("out"))
+    assert (config.workers, config.spares, config.nproc_per_node, config.nodes) == (6, 2, 2, 4)
+    assert (config.store_host, config.store_port, config.node_timeout_s) == ("head", 29400, 5.0)
+    single = job_config(build_parser().parse_args(["run", "--nproc-per-node", "2", "train.py"]), "t.py", [], Path("o"))
+    assert (single.workers, single.nproc_per_node, single.nodes) == (2, 0, 0)  # no --nnodes: one machine, no agents
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["run", "--rdzv-endpoint", "head", "train.py"], "--rdzv-endpoint must be HOST:PORT, got 'head'"),
+    (["run", "--nnodes", "0", "train.py"], "--nnodes must be at least 1"),
+    (["run", "--fault", "kill_node:0:3", "train.py"], "a kill_node fault needs nodes: run with --nnodes"),
+])
+def test_bad_node_options_are_refused_with_a_reason(argv, complaint):
+    with pytest.raises(ConfigError, match=re.escape(complaint)):
+        job_config(build_parser().parse_args(argv), "train.py", [], Path("out"))

@@ -1,0 +1,118 @@
+"""One agent per node: starts, watches and fences that node's processes, and reports to the coordinator.
+
+The coordinator and its agents talk only through the coordinator's store (no other connection), so an
+agent can run on any host that reaches it (`deadpool agent --coordinator HOST:PORT`):
+
+    agent                                         coordinator (coordinator/nodes.py)
+    node/{n} = {host, pid}                  -->   waits until every node joined; nodes 0..M-1 work, the rest
+                                                  are spares (rank r runs on node r // nproc-per-node)
+    node/{n}/beat = counter (every 0.1 s)   -->   a beat that stops for --node-timeout: the node is lost
+                                            <--   node/{n}/spawn/{k} = [name, role, rank]; node/{n}/spawned = k
+    starts each process (logs/{name}.log)
+    node/{n}/exit/{name} = {code, pid}      -->   the process's exit, classified as before
+                                            <--   fence/{name}: SIGKILL it
+                                            <--   shutdown: stop the processes (grace), then exit
+
+The processes an agent starts die with it (PR_SET_PDEATHSIG), as they would with their machine: killing
+the agent kills the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from deadpool.config import JobConfig
+from deadpool.coordinator.protocol import CONFIG_KEY, Keys
+from deadpool.errors import ConfigError
+from deadpool.launcher.agent import Agent
+
+BEAT_EVERY_S = 0.1
+STOP_GRACE_S = 10.0
+
+
+# Started in front of each process: asks the kernel to SIGKILL it when the agent dies (PR_SET_PDEATHSIG, kept
+# across exec), exits if the agent is already gone, then becomes the training process (same pid). A shim
+# rather than Popen's preexec_fn: Python code between fork and exec in a threaded agent can deadlock.
+DIE_WITH_AGENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
+                  "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def connect_to_coordinator(address: str, timeout_s: float) -> dist.TCPStore:
+    """A store client of the coordinator at HOST:PORT, retried until `timeout_s` (it may start after us)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception as error:  # torch raises DistNetworkError/RuntimeError with the socket's text
+        raise ConfigError(f"cannot reach the coordinator at {address} within {timeout_s:g} s "
+                          f"({str(error).splitlines()[0]}): is `deadpool coordinator` running there?") from None
+
+
+class NodeAgent:
+    """The agent of node `node`: registers, then runs the processes the coordinator assigns it."""
+
+    def __init__(self, store: dist.TCPStore, node: int, run_dir: Path | None = None) -> None:
+        self.store, self.node = store, node
+        config = JobConfig.from_json(store.get(CONFIG_KEY).decode())
+        run = Path(run_dir or config.run_dir)
+        run.mkdir(parents=True, exist_ok=True)
+        config_path = run / f"config.node{node}.json"
+        config.write(config_path)
+        self.config, self.keys = config, Keys(config.token)
+        self.local = Agent(config, config_path, prefix=f"n{node}:",
+                           command_prefix=(sys.executable, "-c", DIE_WITH_AGENT, str(os.getpid())))
+        self.spawned = 0
+
+    def run(self) -> int:
+        keys, store = self.keys, self.store
+        if store.check([keys.node(self.node)]):
+            raise ConfigError(f"node {self.node} has already joined this job: give each agent its own --node-rank")
+        store.set(keys.node(self.node), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        beat = 0
+        while not store.check([keys.shutdown()]):
+            beat += 1
+            store.set(keys.node_beat(self.node), str(beat))
+            self._start_assigned()
+            self._report_exits()
+            for name in self.local.alive():
+                if store.check([keys.fence(name)]):
+                    self.local.fence(name)
+            time.sleep(BEAT_EVERY_S)
+        self.local.stop_all(grace_s=STOP_GRACE_S)
+        self._report_exits()
+        return 0
+
+    def _start_assigned(self) -> None:
+        ordered = int(self.store.get(self.keys.node_spawned(self.node))) if self.store.check(
+            [self.keys.node_spawned(self.node)]) else 0
+        while self.spawned < ordered:
+            self.spawned += 1
+            name, role, rank = json.loads(self.store.get(self.keys.node_spawn(self.node, self.spawned)))
+            child = self.local.spawn(name, role, rank)
+            self.store.set(self.keys.node_pid(name), str(child.pid))
+
+    def _report_exits(self) -> None:
+        for child in self.local.poll():
+            self.store.set(self.keys.node_exit(self.node, child.name),
+                           json.dumps({"code": child.returncode, "pid": child.pid}))
+
+
+def agent_main(address: str, node: int, run_dir: Path | None, timeout_s: float) -> int:
+    """`deadpool agent`: joins the job of the coordinator at `address` as node `node`, until it ends."""
+    store = connect_to_coordinator(address, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while not store.check([CONFIG_KEY]):  # the coordinator publishes the job once it is listening
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the coordinator at {address} published no job within {timeout_s:g} s")
+        time.sleep(0.05)
+    print(f"[n{node}] agent of node {node} joined the coordinator at {address}", file=sys.stderr, flush=True)
+    return NodeAgent(store, node, run_dir).run()

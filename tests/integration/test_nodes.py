@@ -1,0 +1,142 @@
+"""Nodes: one agent per node (real processes, each node its own process group), a whole node SIGKILLed at
+once (its agent and every rank on it), and one spare node taking over all of its ranks in one generation.
+Every run must end on the failure-free run's exact state (the `reference` fixture: the same 4 ranks,
+trained without nodes), with the same losses and the same samples."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deadpool.config import Fault
+from tests.integration.conftest import REPO, SMALL, TRAIN, Background, Job, run_job
+
+NODES = dict(workers=4, spares=2, nproc_per_node=2)  # 2 worker nodes of 2 ranks, 1 spare node of 2 spares
+
+
+def assert_same_training(job: Job, reference: Job) -> None:
+    assert job.code == 0, job.summary["error"]
+    assert job.summary["final_state_sha256"] == reference.summary["final_state_sha256"]
+    assert job.summary["losses"] == reference.summary["losses"]
+    assert job.batches() == reference.batches()
+
+
+def node_of(job: Job, proc: str) -> int:
+    return next(e["node"] for e in job.named("process_spawned") if e["proc"] == proc)
+
+
+def test_nodes_train_exactly_as_one_machine_does(tmp_path, reference):
+    job = run_job(tmp_path, **NODES)
+    assert_same_training(job, reference)
+    [joined] = job.named("nodes_joined")
+    assert joined["nodes"] == 3 and len(set(joined["agent_pids"])) == 3
+    assert [node_of(job, p) for p in ("w0", "w1", "w2", "w3", "s0", "s1")] == [0, 0, 1, 1, 2, 2]
+    pids = {e["proc"]: e["pid"] for e in job.named("process_start")}
+    assert len(set(pids.values())) == 6  # six real processes
+
+
+@pytest.mark.parametrize("phase", ["backward", "snapshot_copy"])
+def test_a_whole_node_dies_and_one_spare_node_takes_all_its_ranks(tmp_path, reference, phase):
+    job = run_job(tmp_path, faults=(Fault(kind="kill_node", rank=2, step=6, phase=phase),), **NODES)
+    assert_same_training(job, reference)
+    [recovery] = job.summary["recoveries"]
+    assert recovery["fault"] == "kill_node" and recovery["failed_ranks"] == [2, 3]
+    assert recovery["replaced"] == {"2": "s0", "3": "s1"}  # both on spare node 2
+    assert len(job.named("plan_published")) == 2  # one new generation for the whole node: one rebuild
+    failures = job.named("failure_detected")
+    assert {f["proc"] for f in failures} == {"w2", "w3"}
+    assert all("lost with node 1" in f["exit"] for f in failures)
+
+
+def test_one_rank_of_a_node_dies_and_a_spare_takes_it(tmp_path, reference):
+    job = run_job(tmp_path, faults=(Fault(kind="kill", rank=1, step=5, phase="backward"),), **NODES)
+    assert_same_training(job, reference)
+    [recovery] = job.summary["recoveries"]
+    assert recovery["failed_ranks"] == [1] and recovery["replaced"] == {"1": "s1"}  # the spare holding its replica
+
+
+def test_two_nodes_fail_apart_and_together_with_two_spare_nodes(tmp_path, reference):
+    apart = run_job(tmp_path / "apart", workers=4, spares=4, nproc_per_node=2,
+                    faults=(Fault(kind="kill_node", rank=0, step=3), Fault(kind="kill_node", rank=2, step=7)))
+    assert_same_training(apart, reference)
+    assert [r["replaced"] for r in apart.summary["recoveries"]] == [{"0": "s0", "1": "s1"}, {"2": "s2", "3": "s3"}]
+    together = run_job(tmp_path / "together", workers=4, spares=4, nproc_per_node=2,
+                       faults=(Fault(kind="kill_node", rank=0, step=5), Fault(kind="kill_node", rank=3, step=5)))
+    assert_same_training(together, reference)
+    [recovery] = together.summary["recoveries"]
+    assert sorted(recovery["failed_ranks"]) == [0, 1, 2, 3]
+    assert len(together.named("plan_published")) == 2
+
+
+def test_a_spare_node_dies_then_a_worker_node_uses_the_other(tmp_path, reference):
+    """The agent of spare node 2 alone is SIGKILLed while its spares receive replicas: they die with it (as
+    with their machine); the workers roll back and re-place their replicas on spare node 3; a later
+    whole-node failure moves to node 3."""
+    job = Background(tmp_path, workers=4, spares=4, nproc_per_node=2,
+                     faults=(Fault(kind="kill_node", rank=2, step=8),))
+    events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 3)
+    [joined] = [e for e in events if e["event"] == "nodes_joined"]
+    os.kill(joined["agent_pids"][2], signal.SIGKILL)
+    done = job.join()
+    assert_same_training(done, reference)
+    spares = {e["proc"]: e["pid"] for e in done.named("process_start") if e["proc"] in ("s0", "s1")}
+    for pid in spares.values():  # gone with their agent, not orphaned
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    first, second = done.summary["recoveries"]
+    assert first["replaced"] == {} and "lost with node 2" in first["cause"]
+    assert second["replaced"] == {"2": "s2", "3": "s3"}  # spare node 3
+
+
+def test_coordinator_and_agents_started_apart(tmp_path, reference):
+    """The multi-host shape on one machine: `deadpool coordinator` alone, then one `deadpool agent` per node."""
+    port = _free_port()
+    out = tmp_path / "run"
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "deadpool.launcher.cli", "coordinator", "--nnodes", "2", "--nproc-per-node", "2",
+         "--spare-nodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(out), str(TRAIN),
+         "--steps", "10", *SMALL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agents = []
+    try:
+        time.sleep(1.0)  # the agents may also start first: they wait for the coordinator
+        agents = [subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
+                                    f"127.0.0.1:{port}", "--node-rank", str(n)], start_new_session=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in range(3)]
+        output, _ = coordinator.communicate(timeout=180)
+        assert coordinator.returncode == 0, output[-3000:]
+        assert all(agent.wait(30) == 0 for agent in agents)
+        assert "waiting for 3 node agents" in output
+        assert_same_training(Job(out, 0, _summary(out)), reference)
+    finally:
+        for proc in (coordinator, *agents):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_an_agent_that_cannot_reach_its_coordinator_says_so():
+    port = _free_port()
+    done = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
+                           f"127.0.0.1:{port}", "--node-rank", "0", "--connect-timeout", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"cannot reach the coordinator at 127.0.0.1:{port}" in done.stderr
+    assert "is `deadpool coordinator` running there?" in done.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _summary(out):
+    import json
+
+    return json.loads((out / "summary.json").read_text())
