@@ -53,7 +53,8 @@ class JobConfig:
     seed: seeds Python's and NumPy's global RNGs in every process (plus its rank), and PYTHONHASHSEED.
     nproc_per_node: 0 runs every process under the launcher itself, on this machine; R > 0 runs them on
     nodes of R processes, one agent per node (launcher/node.py): workers / R worker nodes and spares / R
-    spare nodes. node_timeout_s: an agent silent this long has lost its node.
+    spare nodes. node_timeout_s: an agent silent this long has lost its node. netns: each node in a network
+    namespace of its own on this machine (launcher/netns.py), so all traffic crosses real interfaces.
     gpus_per_node: GPUs the processes of this node share out (coordinator/policy.place_devices); None
     counts the visible ones at launch, 0 trains on the CPU.
     deterministic: makes a replayed step compute the same bits on a GPU (torch's deterministic kernels,
@@ -77,7 +78,8 @@ class JobConfig:
     on_divergence: str = "stop"
     seed: int = 0
     nproc_per_node: int = 0
-    node_timeout_s: float = 2.0
+    node_timeout_s: float = 5.0
+    netns: bool = False
     gpus_per_node: int | None = None
     deterministic: bool = True
     poll_interval_s: float = 0.02
@@ -109,6 +111,8 @@ class JobConfig:
                                                                  or self.spares % self.nproc_per_node)):
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node} must divide the workers ({self.workers}) and "
                               f"spares ({self.spares}) into whole nodes")
+        if self.netns and not self.nproc_per_node:
+            raise ConfigError("--netns puts nodes in network namespaces: give --nnodes (and --nproc-per-node)")
         if not self.node_timeout_s > 0:
             raise ConfigError(f"--node-timeout must be positive, got {self.node_timeout_s}")
         if any(f.kind == "kill_node" for f in self.faults) and not self.nproc_per_node:

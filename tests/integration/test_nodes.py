@@ -14,6 +14,7 @@ import time
 import pytest
 
 from deadpool.config import Fault
+from deadpool.launcher.netns import available
 from tests.integration.conftest import REPO, SMALL, TRAIN, Background, Job, run_job
 
 NODES = dict(workers=4, spares=2, nproc_per_node=2)  # 2 worker nodes of 2 ranks, 1 spare node of 2 spares
@@ -30,20 +31,13 @@ def node_of(job: Job, proc: str) -> int:
     return next(e["node"] for e in job.named("process_spawned") if e["proc"] == proc)
 
 
-def test_nodes_train_exactly_as_one_machine_does(tmp_path, reference):
-    job = run_job(tmp_path, **NODES)
-    assert_same_training(job, reference)
-    [joined] = job.named("nodes_joined")
-    assert joined["nodes"] == 3 and len(set(joined["agent_pids"])) == 3
-    assert [node_of(job, p) for p in ("w0", "w1", "w2", "w3", "s0", "s1")] == [0, 0, 1, 1, 2, 2]
-    pids = {e["proc"]: e["pid"] for e in job.named("process_start")}
-    assert len(set(pids.values())) == 6  # six real processes
-
-
 @pytest.mark.parametrize("phase", ["backward", "snapshot_copy"])
 def test_a_whole_node_dies_and_one_spare_node_takes_all_its_ranks(tmp_path, reference, phase):
     job = run_job(tmp_path, faults=(Fault(kind="kill_node", rank=2, step=6, phase=phase),), **NODES)
-    assert_same_training(job, reference)
+    assert_same_training(job, reference)  # nodes train exactly as one machine does, failure or not
+    [joined] = job.named("nodes_joined")
+    assert joined["nodes"] == 3 and len(set(joined["agent_pids"])) == 3  # three real agents
+    assert [node_of(job, p) for p in ("w0", "w1", "w2", "w3", "s0", "s1")] == [0, 0, 1, 1, 2, 2]
     [recovery] = job.summary["recoveries"]
     assert recovery["fault"] == "kill_node" and recovery["failed_ranks"] == [2, 3]
     assert recovery["replaced"] == {"2": "s0", "3": "s1"}  # both on spare node 2
@@ -140,3 +134,47 @@ def _summary(out):
     import json
 
     return json.loads((out / "summary.json").read_text())
+
+
+# ---- nodes in network namespaces: every byte crosses a real interface ---------------------------------------
+
+netns_missing = available()
+in_namespaces = pytest.mark.skipif(bool(netns_missing), reason=netns_missing or "")
+
+
+@in_namespaces
+def test_in_namespaces_a_killed_node_is_swapped(tmp_path, reference):
+    job = run_job(tmp_path, netns=True, faults=(Fault(kind="kill_node", rank=0, step=5),), **NODES)
+    assert_same_training(job, reference)
+    [network] = job.named("network")
+    assert len(set(network["addresses"])) == 3 and network["host_address"].endswith(".1")
+    assert job.summary["recoveries"][0]["replaced"] == {"0": "s0", "1": "s1"}
+    assert not [n for n in _namespaces() if n.startswith(network["bridge"][:6])]  # all removed
+
+
+@in_namespaces
+def test_a_cut_cable_is_detected_fenced_and_swapped_and_the_old_node_is_refused(tmp_path, reference):
+    """Node 1's link goes down mid-run: its agent falls silent, the node is declared lost within the node
+    timeout and spare node 2 takes ranks 2 and 3. When the link comes back, node 1's processes learn they
+    were replaced and exit; nothing they write belongs to the new generation."""
+    job = Background(tmp_path, netns=True, node_timeout_s=3.0, **NODES)
+    events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
+    [network] = [e for e in events if e["event"] == "network"]
+    subprocess.run(["ip", "link", "set", network["links"][1], "down"], check=True)
+    cut = time.monotonic()
+    try:
+        job.wait_for(lambda e: e["event"] == "swap_complete", timeout_s=60)
+    finally:
+        subprocess.run(["ip", "link", "set", network["links"][1], "up"], check=False)
+    done = job.join()
+    assert_same_training(done, reference)
+    [detected, *_] = done.named("failure_detected")
+    assert "lost with node 1 (its agent was silent for" in detected["exit"]
+    assert detected["t"] - cut < 3.0 + 3.0  # the node timeout, and scheduling on a busy machine
+    assert done.summary["recoveries"][0]["replaced"] == {"2": "s0", "3": "s1"}
+    old = [e for e in done.events if e["proc"] in ("w2", "w3")]
+    assert old and all(e["gen"] == 0 for e in old)  # the old node never acted in generation 1
+
+
+def _namespaces() -> list[str]:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

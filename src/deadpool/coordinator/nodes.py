@@ -93,6 +93,7 @@ class RemoteNodes:
                 continue
             for name in entry.procs:
                 if name not in self.done:
+                    self.fence(name)  # a partitioned node's agent kills them as soon as it hears us again
                     lost = f"node {entry.node} ({entry.lost})"
                     self.done[name] = Exited(name, -9, self.pid(name), lost_with_node=lost)
                     exited.append(self.done[name])

@@ -31,11 +31,14 @@ CONFIG_KEY = "deadpool/job"  # the job's config as JSON, unprefixed: what an age
 ENV_DEVICE = "DEADPOOL_DEVICE"  # this process's GPU index, empty for none (coordinator/policy.place_devices)
 
 
-def torchrun_env(rank: int, world_size: int) -> dict[str, str]:
-    """The identity torchrun gives a process, which scripts read from the environment (one host: local = global).
-    A spare starts with a placeholder rank >= world_size; deadpool.init() sets the rank it takes."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size)}
+def torchrun_env(rank: int, world_size: int, nproc_per_node: int = 0) -> dict[str, str]:
+    """The identity torchrun gives a process, which scripts read from the environment. On nodes of
+    `nproc_per_node` processes the local rank is the place on the node (rank r runs on node r // nproc, and
+    the spare that takes r over has the same place on its own node); on one machine local = global. A
+    spare starts with a placeholder rank >= world_size; deadpool.init() sets the rank it takes."""
+    local, local_world = (rank % nproc_per_node, nproc_per_node) if nproc_per_node else (rank, world_size)
+    return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_world)}
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,14 @@ def process_env(config: JobConfig, config_path: Path, name: str, role: str, rank
     the settings its correctness depends on. Values the user set win, except NCCL's error handling."""
     device = None
     if config.gpus_per_node:
-        devices = place_devices(config.workers, config.spares, config.gpus_per_node).value
-        device = devices[rank] if devices else None
+        # On nodes, each node's processes share its own GPUs: a worker node's workers, or a spare node's spares.
+        nproc = config.nproc_per_node
+        devices = (place_devices(nproc, 0, config.gpus_per_node) if nproc
+                   else place_devices(config.workers, config.spares, config.gpus_per_node)).value
+        device = devices[rank % nproc if nproc else rank] if devices else None
     env = {**inherited, ENV_CONFIG: str(config_path), ENV_PROC: name, ENV_ROLE: role,
            ENV_DEVICE: "" if device is None else str(device), "PYTHONUNBUFFERED": "1",
-           **torchrun_env(rank, config.world_size)}
+           **torchrun_env(rank, config.world_size, config.nproc_per_node)}
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host must not oversubscribe
     env.setdefault("PYTHONHASHSEED", str(config.seed))  # str hashes, hence set order, the same every run
     # DeadPool aborts a failed generation's communicator itself (runtime/comms.abandon_group); NCCL's watchdog

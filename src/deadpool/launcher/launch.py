@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -17,12 +18,13 @@ import torch.distributed as dist
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.nodes import RemoteNodes
-from deadpool.coordinator.policy import place_devices
+from deadpool.coordinator.policy import Decision, place_devices
 from deadpool.coordinator.protocol import CONFIG_KEY, Keys
 from deadpool.coordinator.server import Coordinator, Processes
 from deadpool.errors import ConfigError
 from deadpool.events import EventLog
 from deadpool.launcher.agent import Agent
+from deadpool.launcher.netns import Network
 from deadpool.report import summarize
 
 
@@ -51,18 +53,20 @@ def count_gpus(config: JobConfig) -> int:
 
 
 def start_nodes(config: JobConfig, store: dist.TCPStore, events: EventLog, echo: TextIO | None,
-                start_agents: bool) -> RemoteNodes:
+                start_agents: bool, network: Network | None) -> RemoteNodes:
     """Publishes the job for the node agents, starts one per node on this machine if asked (`deadpool run
-    --nnodes`; `deadpool coordinator` waits for agents started elsewhere), and waits until every node joined."""
+    --nnodes`; `deadpool coordinator` waits for agents started elsewhere), each in its own network namespace
+    with --netns, and waits until every node joined."""
     store.set(CONFIG_KEY, config.to_json())
     keys, agents = Keys(config.token), {}
     if start_agents:
         out = None if echo is not None else subprocess.DEVNULL
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"} if network else None  # gloo: the node's own interface
         for node in range(config.nodes):
-            agents[node] = subprocess.Popen(
-                [sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
-                 f"{config.store_host}:{config.store_port}", "--node-rank", str(node)],
-                stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)  # a node: its own group
+            argv = [sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
+                    f"{config.store_host}:{config.store_port}", "--node-rank", str(node)]
+            agents[node] = subprocess.Popen(network.command(node, argv) if network else argv, env=env, stdout=out,
+                                            stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
     else:
         print(f"[coordinator] waiting for {config.nodes} node agents: on each node run `deadpool agent "
               f"--coordinator {config.store_host}:{config.store_port} --node-rank K` (K = 0..{config.nodes - 1}; "
@@ -93,21 +97,42 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "events.jsonl").unlink(missing_ok=True)
-    gpus = count_gpus(config)
-    devices = place_devices(config.workers, config.spares, gpus)
+    if not config.nproc_per_node:  # on nodes, each agent counts its own machine's GPUs (launcher/node.py)
+        config = replace(config, gpus_per_node=count_gpus(config))
+    devices = place_devices(config.workers, config.spares, config.gpus_per_node or 0)
     if not devices.ok:
         raise ConfigError(devices.reason)
-    store = host_store(config)
-    config = replace(config, gpus_per_node=gpus, store_port=store.port, token=config.token or secrets.token_hex(8),
-                     run_dir=str(run_dir.resolve()), script=str(Path(config.script).resolve()))
-    config_path = run_dir / "config.json"
+    store = host_store(config)  # it listens on every interface, the namespaces' bridge included
+    network = Network(config.nodes).create() if config.netns else None
+    try:
+        if network is not None:
+            config = replace(config, store_host=network.host_address)
+        config = replace(config, store_port=store.port, token=config.token or secrets.token_hex(8),
+                         run_dir=str(run_dir.resolve()), script=str(Path(config.script).resolve()))
+        code = _run(config, store, devices, echo, start_agents, network)
+    finally:
+        if network is not None:
+            network.remove()
+    summary = summarize(run_dir / "events.jsonl", exit_code=code)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return code, summary
+
+
+def _run(config: JobConfig, store: dist.TCPStore, devices: Decision, echo: TextIO | None, start_agents: bool,
+         network: Network | None) -> int:
+    """The job itself, once its store (and network) exist: config file, events, processes, the coordinator."""
+    config_path = Path(config.run_dir) / "config.json"
     config.write(config_path)
-    events = EventLog(run_dir / "events.jsonl", role="coordinator", proc="coordinator")
+    events = EventLog(Path(config.run_dir) / "events.jsonl", role="coordinator", proc="coordinator")
     events.emit("job_start", workers=config.workers, spares=config.spares, port=store.port,
                 snapshot_every=config.snapshot_every, devices=devices.value, placement=devices.reason)
-    agent: Processes = (start_nodes(config, store, events, echo, start_agents) if config.nproc_per_node
-                        else Agent(config, config_path, echo=echo))
+    if network is not None:
+        events.emit("network", bridge=network.bridge, host_address=network.host_address,
+                    addresses=[network.address(n) for n in range(config.nodes)],
+                    links=[network.link(n) for n in range(config.nodes)])
     started = time.monotonic()
+    agent: Processes = (start_nodes(config, store, events, echo, start_agents, network) if config.nproc_per_node
+                        else Agent(config, config_path, echo=echo))
     try:
         code = Coordinator(config, store, events, agent).run()
     except BaseException:
@@ -117,6 +142,4 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
         raise
     events.emit("job_end", exit_code=code, duration_s=time.monotonic() - started)
     events.close()
-    summary = summarize(run_dir / "events.jsonl", exit_code=code)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return code, summary
+    return code

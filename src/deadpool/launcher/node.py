@@ -23,16 +23,20 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from deadpool.config import JobConfig
+from deadpool.coordinator.policy import place_devices
 from deadpool.coordinator.protocol import CONFIG_KEY, Keys
 from deadpool.errors import ConfigError
 from deadpool.launcher.agent import Agent
+from deadpool.launcher.launch import count_gpus
 
 BEAT_EVERY_S = 0.1
 STOP_GRACE_S = 10.0
@@ -60,9 +64,15 @@ def connect_to_coordinator(address: str, timeout_s: float) -> dist.TCPStore:
 class NodeAgent:
     """The agent of node `node`: registers, then runs the processes the coordinator assigns it."""
 
-    def __init__(self, store: dist.TCPStore, node: int, run_dir: Path | None = None) -> None:
-        self.store, self.node = store, node
+    def __init__(self, store: dist.TCPStore, beat_store: dist.TCPStore, node: int, run_dir: Path | None = None) -> None:
+        self.store, self.beat_store, self.node = store, beat_store, node
         config = JobConfig.from_json(store.get(CONFIG_KEY).decode())
+        if not 0 <= node < config.nodes:
+            raise ConfigError(f"--node-rank {node}: this job has nodes 0..{config.nodes - 1}")
+        config = replace(config, gpus_per_node=count_gpus(config))  # this node's own GPUs
+        devices = place_devices(config.nproc_per_node, 0, config.gpus_per_node or 0)
+        if not devices.ok:
+            raise ConfigError(f"node {node}: {devices.reason}")
         run = Path(run_dir or config.run_dir)
         run.mkdir(parents=True, exist_ok=True)
         config_path = run / f"config.node{node}.json"
@@ -73,23 +83,42 @@ class NodeAgent:
         self.spawned = 0
 
     def run(self) -> int:
+        """Until the job's shutdown: beat, start what is ordered, report exits, fence what is fenced. An agent
+        that loses its coordinator (no answer within the store's timeout) stops its node's processes: the
+        coordinator has replaced them by then."""
         keys, store = self.keys, self.store
         if store.check([keys.node(self.node)]):
             raise ConfigError(f"node {self.node} has already joined this job: give each agent its own --node-rank")
         store.set(keys.node(self.node), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        beat = 0
-        while not store.check([keys.shutdown()]):
-            beat += 1
-            store.set(keys.node_beat(self.node), str(beat))
-            self._start_assigned()
-            self._report_exits()
-            for name in self.local.alive():
-                if store.check([keys.fence(name)]):
-                    self.local.fence(name)
-            time.sleep(BEAT_EVERY_S)
+        threading.Thread(target=self._beat, name="deadpool-node-beat", daemon=True).start()
+        try:
+            while not store.check([keys.shutdown()]):
+                self._start_assigned()
+                self._report_exits()
+                for name in self.local.alive():
+                    if store.check([keys.fence(name)]):
+                        self.local.fence(name)
+                time.sleep(BEAT_EVERY_S)
+        except (RuntimeError, dist.DistError) as error:  # torch's store errors
+            print(f"[n{self.node}] lost the coordinator ({str(error).splitlines()[0]}); stopping this node",
+                  file=sys.stderr, flush=True)
+            self.local.stop_all(grace_s=0.0)
+            return 1
         self.local.stop_all(grace_s=STOP_GRACE_S)
         self._report_exits()
         return 0
+
+    def _beat(self) -> None:
+        """The node's heartbeat, on a thread and a store client of its own: starting a process (a fork of
+        this one) or a slow store call in the main loop must not look like a lost node."""
+        beat = 0
+        try:
+            while True:
+                beat += 1
+                self.beat_store.set(self.keys.node_beat(self.node), str(beat))
+                time.sleep(BEAT_EVERY_S)
+        except (RuntimeError, dist.DistError):  # the coordinator is gone; the main loop says so
+            return
 
     def _start_assigned(self) -> None:
         ordered = int(self.store.get(self.keys.node_spawned(self.node))) if self.store.check(
@@ -115,4 +144,4 @@ def agent_main(address: str, node: int, run_dir: Path | None, timeout_s: float) 
             raise ConfigError(f"the coordinator at {address} published no job within {timeout_s:g} s")
         time.sleep(0.05)
     print(f"[n{node}] agent of node {node} joined the coordinator at {address}", file=sys.stderr, flush=True)
-    return NodeAgent(store, node, run_dir).run()
+    return NodeAgent(store, connect_to_coordinator(address, timeout_s), node, run_dir).run()

@@ -179,7 +179,7 @@ class Session:
         self._check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
         ctx.faults.rank = ctx.events.rank = inc.rank
         ctx.events.generation = inc.generation
-        os.environ.update(torchrun_env(self.rank, self.world_size))
+        os.environ.update(torchrun_env(self.rank, self.world_size, ctx.config.nproc_per_node))
         # Unseeded Python and NumPy generators would make every run differ; a script that seeds them after
         # init() keeps its own seeds. torch's default generator has a fixed seed already.
         random.seed(ctx.config.seed + self.rank)
@@ -477,7 +477,7 @@ class Session:
         """Becomes generation `inc`'s rank: its identity, its watch and its process group."""
         self.inc = inc
         self.ctx.faults.rank = self.ctx.events.rank = inc.rank
-        os.environ.update(torchrun_env(self.rank, self.world_size))
+        os.environ.update(torchrun_env(self.rank, self.world_size, self.ctx.config.nproc_per_node))
         self.progress.mark(self.step, "rejoin")
         self._enter()
 

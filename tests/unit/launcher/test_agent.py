@@ -40,3 +40,13 @@ def test_determinism_settings_and_user_values_win():
     mine = env_of(CONFIG, "w0", "worker", 0, {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "OMP_NUM_THREADS": "4"})
     assert mine["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and mine["OMP_NUM_THREADS"] == "4"
     assert mine["PYTHONHASHSEED"] == "7"
+
+
+def test_on_nodes_local_ranks_and_gpus_are_each_nodes_own():
+    """2 worker nodes and 1 spare node of 2 processes, 2 GPUs per node: rank 3 is the second process of node 1,
+    and spare s1 the second of node 2; each uses GPU 1 of its own machine."""
+    config = replace(CONFIG, workers=4, spares=2, nproc_per_node=2, gpus_per_node=2)
+    w3, s1 = env_of(config, "w3", "worker", 3), env_of(config, "s1", "spare", 5)
+    assert (w3["RANK"], w3["LOCAL_RANK"], w3["WORLD_SIZE"], w3["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
+    assert (s1["LOCAL_RANK"], s1["LOCAL_WORLD_SIZE"]) == ("1", "2")
+    assert w3["DEADPOOL_DEVICE"] == s1["DEADPOOL_DEVICE"] == "1"

@@ -137,10 +137,10 @@ def test_parser_rejects_bad_arguments(argv, complaint, capsys):
 
 def test_nodes_take_torchruns_flags():
     args = build_parser().parse_args(["run", "--nnodes", "3", "--nproc-per-node", "2", "--spare-nodes", "1",
-                                      "--rdzv-endpoint", "head:29400", "--node-timeout", "5", "train.py"])
+                                      "--rdzv-endpoint", "head:29400", "--node-timeout", "7", "train.py"])
     config = job_config(args, args.script, args.script_args, Path("out"))
     assert (config.workers, config.spares, config.nproc_per_node, config.nodes) == (6, 2, 2, 4)
-    assert (config.store_host, config.store_port, config.node_timeout_s) == ("head", 29400, 5.0)
+    assert (config.store_host, config.store_port, config.node_timeout_s) == ("head", 29400, 7.0)
     single = job_config(build_parser().parse_args(["run", "--nproc-per-node", "2", "train.py"]), "t.py", [], Path("o"))
     assert (single.workers, single.nproc_per_node, single.nodes) == (2, 0, 0)  # no --nnodes: one machine, no agents
 
