@@ -45,6 +45,8 @@ from deadpool.events import EventLog
 
 
 class Exit(Protocol):
+    """A process that ended: launcher.agent.Child, or coordinator.nodes.Exited (which may say its node was lost)."""
+
     name: str
     returncode: int | None
     pid: int | None
