@@ -29,7 +29,8 @@ class Exited:
 
 @dataclass
 class Ordered:
-    """A process ordered on a node: its agent starts it (the pid is known once it has)."""
+    """A process ordered on a node. Its agent starts it later, so its pid is not known here yet (the agent
+    publishes it under pid/{name}, which `RemoteNodes.pid` reads)."""
 
     name: str
     node: int
