@@ -1,7 +1,9 @@
 """Trains the character-level GPT data-parallel on real text; DeadPool keeps it running through failures.
 
 Run it with `deadpool run --workers 4 --spares 1 examples/gpt/train.py`. Compared with a plain DDP
-script, the lines marked `# DeadPool` are the whole change.
+script, the lines marked `# DeadPool` are the whole change. `--parallel fsdp` shards the parameters and
+optimizer state over the ranks with FSDP2's fully_shard (each transformer block, then the whole model):
+each rank then holds, and snapshots, only its own shards.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import deadpool  # DeadPool
 from data import BatchSampler, CharTokenizer, load_text, make_batch
@@ -30,7 +34,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--log-samples", action="store_true", help="record each step's sample ids in the events")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (spares compile while waiting)")
-    return p.parse_args()
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="ddp: every rank holds the whole model; fsdp: each holds a shard of it (FSDP2)")
+    args = p.parse_args()
+    if args.compile and args.parallel == "fsdp":
+        p.error("--compile is supported with --parallel ddp only in this example")
+    return args
 
 
 def main() -> None:
@@ -52,16 +61,26 @@ def main() -> None:
         x, y = make_batch(tokens, list(range(args.batch_size)), args.block_size)
         build()(x, y)[1].backward()
 
+    def shard(model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2: every rank built the same model from the same seed; each keeps its own shard of it."""
+        mesh = init_device_mesh(session.device.type, (session.world_size,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model.to(session.device), mesh=mesh)
+
     # DeadPool: instead of dist.init_process_group("gloo"); seeds Python's and NumPy's RNGs
     session = deadpool.init(warmup=warm_up if args.compile else None)
-    model = session.wrap(build())  # DeadPool: instead of DistributedDataParallel(GPT(config))
+    # DeadPool: instead of DistributedDataParallel(GPT(config)), or of the sharded model as it is
+    model = session.wrap(shard(GPT(config)) if args.parallel == "fsdp" else build())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     sampler = BatchSampler(num_tokens=len(tokens), block_size=args.block_size, batch_size=args.batch_size,
                            rank=session.rank, world_size=session.world_size, seed=args.seed)
     session.register(model=model, optimizer=optimizer, data=sampler)  # DeadPool
     if session.rank == 0 and session.step == 0:
-        print(f"GPT with {model.module.num_parameters():,} parameters on {len(tokens):,} characters, "
-              f"{session.world_size} ranks x {args.batch_size} sequences of {args.block_size}", flush=True)
+        gpt = model if args.parallel == "fsdp" else model.module
+        print(f"GPT with {gpt.num_parameters():,} parameters on {len(tokens):,} characters, "
+              f"{session.world_size} ranks x {args.batch_size} sequences of {args.block_size} ({args.parallel})",
+              flush=True)
 
     def train_step(step: int) -> torch.Tensor:  # DeadPool: was `for step in range(1, args.steps + 1):`
         sample_ids = sampler.next_batch()

@@ -59,13 +59,13 @@ def demo(args: argparse.Namespace) -> int:
     if not 1 <= args.fail_at <= args.steps:
         raise ConfigError(f"--fail-at must be a step between 1 and --steps ({args.steps}), got {args.fail_at}")
     out = args.out or default_out("demo")
-    script_args = ["--steps", str(args.steps), "--log-every", "5"]
+    script_args = ["--steps", str(args.steps), "--log-every", "5", "--parallel", args.parallel]
     shape = job_config(args, str(EXAMPLE), script_args, out)  # workers, spares and nodes, as the job will run
     faults, what = _faults(args, shape.workers, shape.spares, shape.nproc_per_node)
     where = (f"{shape.workers // shape.nproc_per_node} nodes x {shape.nproc_per_node} workers + "
              f"{shape.spares // shape.nproc_per_node} spare node(s)" if shape.nproc_per_node
              else f"{shape.workers} workers + {shape.spares} spare(s)")
-    _banner(f"training on {where}; {what} in the backward pass of step {args.fail_at}")
+    _banner(f"training on {where} ({args.parallel}); {what} in the backward pass of step {args.fail_at}")
     code, faulty = launch(replace(shape, faults=tuple(faults)))
     if code != 0:
         print(f"the run with a failure did not finish: {faulty['error']}", file=sys.stderr)

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "a whole node, its agent and every rank on it (needs --nnodes and --spare-nodes)")
     demo.add_argument("--fail-node", type=int, default=None, help="--fail node: which worker node (default: random)")
     demo.add_argument("--fail-at", type=int, default=20, help="step in whose backward pass the fault strikes")
+    demo.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                      help="the example's parallelism: ddp (replicated) or fsdp (FSDP2: each rank holds a shard)")
     demo.add_argument("--fail-rank", type=ranks_list, default=None,
                       help="worker(s) to fail at the same point, e.g. 2 or 0,2 (default: a random one)")
     demo.add_argument("--out", type=Path, default=None)

@@ -46,9 +46,10 @@ from deadpool.runtime.comms import (
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.recovery import Recovery, State
+from deadpool.runtime.sharded import ShardedModel, is_sharded
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.snapshot import GenerationAborted, SnapshotEngine
-from deadpool.runtime.state import Stateful, load_into, state_sha256, unflatten
+from deadpool.runtime.state import Stateful, load_into, one_mesh, state_sha256, unflatten
 from deadpool.runtime.watch import Progress, Watch
 
 CALIBRATION_STEPS = 5  # `auto` snapshots every step until this step, then picks an interval
@@ -170,7 +171,7 @@ class Session:
         self._recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self._registered: dict[str, Stateful] = {}
         self._tree: dict[str, Stateful] = {}  # everything a snapshot holds, named (built by run)
-        self._model: DataParallel | None = None
+        self._model: DataParallel | ShardedModel | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._frontier = 0
         self._variables: StepVariables | None = None
@@ -200,8 +201,16 @@ class Session:
 
     # ---- the public API ------------------------------------------------------------------
 
-    def wrap(self, model: torch.nn.Module) -> DataParallel:
-        """Use instead of DistributedDataParallel(model): the returned module survives group rebuilds."""
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Use instead of DistributedDataParallel(model): the returned module survives group rebuilds.
+
+        A model sharded with FSDP2 (`fully_shard(model)` last, on the root) is returned as it is: FSDP
+        keeps communicating itself, and DeadPool rebinds it to each new generation's group."""
+        if is_sharded(model):
+            self._model = ShardedModel(model)  # each rank holds its own shards: nothing to compare across ranks
+            model.register_forward_pre_hook(lambda *_: self._point("forward"))
+            self._model.middle().register_forward_hook(self._mark_backward)
+            return model
         model.to(self.device)
         self._model = DataParallel(model)
         self.engine.replicated = True  # every rank's parameters and optimizer state must stay identical
@@ -233,8 +242,9 @@ class Session:
         The variables train_step rebinds with `nonlocal` or `global` (a counter, a prefetched batch) are
         part of every snapshot, like the registered objects."""
         objects = dict(self._registered)
-        model = self._model
-        if model is not None and not any(obj is model or obj is model.module for obj in objects.values()):
+        model = self._model.module if isinstance(self._model, ShardedModel) else self._model
+        if model is not None and not any(obj is model or obj is getattr(model, "module", None)
+                                         for obj in objects.values()):
             objects = {"model" if "model" not in objects else "wrapped_model": model, **objects}
         if model is not None and not self._optimizers:
             raise ConfigError("register the optimizer before session.run(): session.register(optimizer=optimizer) "
@@ -316,6 +326,11 @@ class Session:
         """A point of the step the coordinator sees progress at, and where a planned fault may fire."""
         self.progress.mark(self.step + 1, phase)
         self.ctx.faults.point(phase, self.step + 1)
+
+    def _mark_backward(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        """A forward hook: the gradient of this output is computed in the middle of backward."""
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self._point("backward"))
 
     def _before_optimizer_step(self) -> None:
         """The state may change from here on, so the last snapshot's copy must be complete."""
@@ -465,7 +480,7 @@ class Session:
     def restore(self, step: int) -> None:
         """Loads snapshot `step` from this rank's slot into the live state."""
         skeleton, tensors, numpy_flags = self.engine.slot_for(step).tensors(self.device)
-        load_into(self._tree, unflatten(skeleton, tensors, numpy_flags))
+        load_into(self._tree, unflatten(skeleton, tensors, numpy_flags, one_mesh(self._tree)))
         self.engine.keep_only(step)
         self._stop_requested = self._stopped = False
         for opt in self._optimizers:
@@ -493,10 +508,11 @@ class Session:
         self._check_next = True
 
     def _agree(self, target: int) -> None:
-        """All ranks must hold the same step and, data-parallel, bit-identical parameters."""
+        """All ranks must hold the same step and, data-parallel, bit-identical parameters (sharded, each
+        rank's own shards: those are checked against the snapshot's checksum when it is restored)."""
         assert self.watch is not None
         crc = 0
-        if self._model is not None:
+        if isinstance(self._model, DataParallel):
             for p in self._model.module.parameters():
                 crc = zlib.crc32(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
         mine = torch.tensor([target, crc], dtype=torch.int64, device=self.device)

@@ -6,6 +6,10 @@ they only change inside an optimizer step (parameters and optimizer state): thos
 in the background while the next forward and backward run. Everything else (buffers, RNG states,
 data positions) is copied at once, at the step boundary. A tensor that appears twice (tied weights: the
 embedding and the output layer share one) is taken once, and both places refer to it.
+
+Sharded state (FSDP2's DTensors) is taken as this rank's local shard plus its placements and global shape;
+it is rebuilt on the device mesh of the live state it is loaded into, so a snapshot never names a process
+group (each generation has a fresh one).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deadpool.errors import ConfigError
 
@@ -37,6 +43,7 @@ class Flat:
     stable: list[bool]
     numpy: list[bool]
     cuda: list[bool]  # lived on the GPU: restored onto the device, the rest stays in host memory
+    meshes: list[DeviceMesh]  # the device meshes of the sharded tensors (FSDP2), each once
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ def _state_dict(obj: Any) -> dict[str, Any]:
 
 def flatten(tree: dict[str, Stateful]) -> Flat:
     """Takes every registered object's state_dict apart (training thread, at a step boundary)."""
-    flat = Flat(skeleton=None, tensors=[], stable=[], numpy=[], cuda=[])
+    flat = Flat(skeleton=None, tensors=[], stable=[], numpy=[], cuda=[], meshes=[])
     seen: dict[tuple, int] = {}  # the same view of the same storage -> its index
 
     def add(tensor: torch.Tensor, stable: bool, numpy: bool) -> dict[str, int]:
@@ -91,13 +98,20 @@ def flatten(tree: dict[str, Stateful]) -> Flat:
 
     def walk(value: Any, stable: bool, path: str) -> Any:
         if isinstance(value, torch.Tensor):
+            stable = stable or isinstance(value, torch.nn.Parameter)
+            sharded: dict[str, Any] = {}
+            if isinstance(value, DTensor):
+                sharded = {"D": _placement(value, path)}
+                if value.device_mesh not in flat.meshes:
+                    flat.meshes.append(value.device_mesh)
+                value = value.to_local().detach()  # this rank's shard: a view of the live local tensor
             key = _view_key(value)
             if key is not None and key in seen:
-                return {"T": seen[key]}
-            node = add(value.detach(), stable or isinstance(value, torch.nn.Parameter), False)
+                return {"T": seen[key], **sharded}
+            node = add(value.detach(), stable, False)
             if key is not None:
                 seen[key] = node["T"]
-            return node
+            return {**node, **sharded}
         if isinstance(value, np.ndarray):
             return add(torch.from_numpy(np.ascontiguousarray(value)).clone(), False, True)
         if isinstance(value, dict):
@@ -117,6 +131,21 @@ def flatten(tree: dict[str, Stateful]) -> Flat:
     return flat
 
 
+def _placement(tensor: DTensor, path: str) -> dict[str, Any]:
+    """How a shard sits in its global tensor, as JSON: the dimension each mesh dimension shards
+    (or "R": replicated), and the global shape and strides."""
+    placements: list[int | str] = []
+    for p in tensor.placements:
+        if type(p) is Shard:
+            placements.append(p.dim)
+        elif type(p) is Replicate:
+            placements.append("R")
+        else:
+            raise ConfigError(f"cannot snapshot {path}: DTensor placement {p} is not supported "
+                              "(Shard and Replicate are)")
+    return {"placements": placements, "shape": list(tensor.shape), "stride": list(tensor.stride())}
+
+
 def _view_key(tensor: torch.Tensor) -> tuple | None:
     """What makes two tensors the same bytes: storage, offset, dtype, shape and strides. None for tensors
     that are never shared this way (empty ones, and subclasses such as DTensor, which own no storage)."""
@@ -126,12 +155,22 @@ def _view_key(tensor: torch.Tensor) -> tuple | None:
             tuple(tensor.shape), tensor.stride())
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool]) -> Any:
-    """Rebuilds the state dicts; tensors are used as given, so pass copies that nothing else owns."""
+def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool],
+              mesh: DeviceMesh | None = None) -> Any:
+    """Rebuilds the state dicts; tensors are used as given, so pass copies that nothing else owns.
+    Shards become DTensors again on `mesh`: the live state's (one_mesh), this generation's group."""
 
     def walk(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
+        if "D" in node:
+            if mesh is None:
+                raise ConfigError("the snapshot holds sharded tensors (FSDP) but the live state has no device mesh: "
+                                  "shard the model with fully_shard before session.run(), as before the failure")
+            sharded = node["D"]
+            placements = [Replicate() if p == "R" else Shard(p) for p in sharded["placements"]]
+            return DTensor.from_local(tensors[node["T"]], mesh, placements, run_check=False,
+                                      shape=torch.Size(sharded["shape"]), stride=tuple(sharded["stride"]))
         if "T" in node:
             i = node["T"]
             return tensors[i].numpy() if numpy_flags[i] else tensors[i]
@@ -142,6 +181,16 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool
         return tuple(walk(v) for v in node["t"])
 
     return walk(skeleton)
+
+
+def one_mesh(tree: dict[str, Stateful]) -> DeviceMesh | None:
+    """The device mesh the live state's shards live on (None: nothing is sharded). One mesh only: a
+    model sharded over several (2-D parallelism) is not supported yet."""
+    meshes = flatten(tree).meshes
+    if len(meshes) > 1:
+        raise ConfigError(f"the registered state is sharded over {len(meshes)} device meshes; DeadPool restores "
+                          "shards onto one mesh (FSDP over the whole job) only")
+    return meshes[0] if meshes else None
 
 
 def load_into(tree: dict[str, Stateful], state: dict[str, Any]) -> None:
