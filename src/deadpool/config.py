@@ -50,6 +50,8 @@ class JobConfig:
     snapshot cost and picks the densest interval whose cost stays within `snapshot_budget` of a step.
     settle_s: failures that arrive within this window of the first are recovered as one set.
     on_divergence: what the coordinator does when data-parallel replicas stop being bit-identical.
+    replicas: how many processes hold each rank's snapshots, never on the rank's own node: spares first,
+    peer workers when spares run short (coordinator/policy.place_replicas).
     seed: seeds Python's and NumPy's global RNGs in every process (plus its rank), and PYTHONHASHSEED.
     nproc_per_node: 0 runs every process under the launcher itself, on this machine; R > 0 runs them on
     nodes of R processes, one agent per node (launcher/node.py): workers / R worker nodes and spares / R
@@ -76,6 +78,7 @@ class JobConfig:
     snapshot_budget: float = 0.01
     backlog_policy: str = "wait"
     on_divergence: str = "stop"
+    replicas: int = 1
     seed: int = 0
     nproc_per_node: int = 0
     node_timeout_s: float = 5.0
@@ -103,6 +106,8 @@ class JobConfig:
             raise ConfigError(f"--snapshot-every must be a step count >= 0 (0 = off) or 'auto', got {every!r}")
         if not 0.0 < self.snapshot_budget < 1.0:
             raise ConfigError(f"--snapshot-budget is a fraction of step time in (0, 1), got {self.snapshot_budget}")
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be at least 1 (holders of each rank's snapshots), got {self.replicas}")
         if self.backlog_policy not in BACKLOG_POLICIES:
             raise ConfigError(f"--backlog-policy must be one of {BACKLOG_POLICIES}, got {self.backlog_policy!r}")
         if self.on_divergence not in DIVERGENCE_ACTIONS:

@@ -68,6 +68,18 @@ def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, A
     }
 
 
+def replica_memory(events: list[dict[str, Any]]) -> dict[str, int]:
+    """Holder -> host bytes of the replicas it holds under the last plan (two slots per held rank)."""
+    plans = [e for e in events if e["event"] == "plan_published"] or [{}]
+    holds = {(holder, rank) for rank, holders in enumerate(plans[-1].get("holders", [])) for holder in holders}
+    latest = {(e["proc"], e["of_rank"]): e["bytes"] for e in events if e["event"] == "replica_memory"}
+    memory: dict[str, int] = {}
+    for (holder, rank), nbytes in latest.items():
+        if (holder, rank) in holds:
+            memory[holder] = memory.get(holder, 0) + nbytes
+    return dict(sorted(memory.items()))
+
+
 def summarize(path: Path, exit_code: int) -> dict[str, Any]:
     events = list(read_events(path))
     losses = final_losses(events)
@@ -87,4 +99,5 @@ def summarize(path: Path, exit_code: int) -> dict[str, Any]:
         "final_state_sha256": hashlib.sha256("".join(hashes).encode()).hexdigest() if hashes else None,
         "rank_state_sha256": hashes,
         "losses": {str(r): [steps[s] for s in sorted(steps)] for r, steps in sorted(losses.items())},
+        "replica_memory_bytes": replica_memory(events),
     }

@@ -6,6 +6,7 @@ trained without nodes), with the same losses and the same samples."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +175,47 @@ def test_a_cut_cable_is_detected_fenced_and_swapped_and_the_old_node_is_refused(
     assert done.summary["recoveries"][0]["replaced"] == {"2": "s0", "3": "s1"}
     old = [e for e in done.events if e["proc"] in ("w2", "w3")]
     assert old and all(e["gen"] == 0 for e in old)  # the old node never acted in generation 1
+
+
+nft_missing = "" if shutil.which("nft") else "nft (nftables) is not installed: apt-get install nftables"
+
+
+def _firewall(namespace: str, drop: bool) -> None:
+    """Drops every packet in or out of a node's interface (a firewall rule, the link stays up), or lifts it."""
+    nft = ["ip", "netns", "exec", namespace, "nft"]
+    if not drop:
+        subprocess.run([*nft, "delete", "table", "inet", "partition"], check=True)
+        return
+    subprocess.run([*nft, "add", "table", "inet", "partition"], check=True)
+    for chain, hook, match in (("in", "input", "iifname"), ("out", "output", "oifname")):
+        subprocess.run([*nft, "add", "chain", "inet", "partition", chain,
+                        f"{{ type filter hook {hook} priority 0; policy accept; }}"], check=True)
+        subprocess.run([*nft, "add", "rule", "inet", "partition", chain, match, "eth0", "drop"], check=True)
+
+
+@in_namespaces
+@pytest.mark.skipif(bool(nft_missing), reason=nft_missing)
+def test_a_firewall_that_drops_a_nodes_packets_is_a_partition_too(tmp_path, reference):
+    """The same partition made by a firewall rule in node 1's namespace (its link stays up, every packet
+    in or out is dropped): detected within the node timeout, swapped; once the rule is lifted the old
+    node's processes learn they were replaced and exit, and nothing of theirs reaches generation 1."""
+    job = Background(tmp_path, netns=True, node_timeout_s=3.0, **NODES)
+    events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
+    [network] = [e for e in events if e["event"] == "network"]
+    _firewall(network["namespaces"][1], drop=True)
+    cut = time.monotonic()
+    try:
+        job.wait_for(lambda e: e["event"] == "swap_complete", timeout_s=60)
+    finally:
+        _firewall(network["namespaces"][1], drop=False)
+    done = job.join()
+    assert_same_training(done, reference)
+    [detected, *_] = done.named("failure_detected")
+    assert "lost with node 1 (its agent was silent for" in detected["exit"]
+    assert detected["t"] - cut < 3.0 + 3.0
+    assert done.summary["recoveries"][0]["replaced"] == {"2": "s0", "3": "s1"}
+    old = [e for e in done.events if e["proc"] in ("w2", "w3")]
+    assert old and all(e["gen"] == 0 for e in old)  # and no process outlives the job (no_leaked_processes)
 
 
 def _namespaces() -> list[str]:

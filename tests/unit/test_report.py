@@ -126,8 +126,22 @@ def test_clean_run(tmp_path):
         "exit_code": 0, "error": None, "swaps": 0, "recoveries": [], "steps_replayed": 0, "final_step": 3,
         "final_loss": 3.25, "final_state_sha256": hashlib.sha256(b"a0b1").hexdigest(),
         "rank_state_sha256": ["a0", "b1"],
-        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]},
+        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {},
     }
+
+
+def test_replica_memory_counts_what_each_holder_holds_under_the_last_plan(tmp_path):
+    """s0 held both ranks, then took rank 0 over; w1 and s0 now hold each other's (two slots each)."""
+    path = tmp_path / "events.jsonl"
+    write(path, [
+        ev("plan_published", 1.0, 0, holders=[["s0"], ["s0"]]),
+        ev("replica_memory", 1.5, 0, proc="s0", of_rank=0, bytes=100),
+        ev("replica_memory", 1.5, 0, proc="s0", of_rank=1, bytes=100),
+        ev("replica_memory", 1.625, 0, proc="s0", of_rank=1, bytes=300),  # the slots grew
+        ev("plan_published", 2.0, 1, holders=[["w1"], ["s0"]]),
+        ev("replica_memory", 2.5, 1, proc="w1", of_rank=0, bytes=300),
+    ])
+    assert summarize(path, exit_code=0)["replica_memory_bytes"] == {"s0": 300, "w1": 300}
 
 
 def test_failed_job(tmp_path):

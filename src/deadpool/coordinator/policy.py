@@ -74,12 +74,37 @@ def classify_exit(returncode: int, *, fenced: bool, started: bool, script_error:
 
 # ---- who replaces whom ---------------------------------------------------------------------
 
-def place_replicas(world_size: int, spares: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
-    """Rank r's snapshots go to spare r mod S: each spare holds about world/S ranks, and with no
-    spare nobody holds a replica (a failure is then unrecoverable from memory)."""
-    if not spares:
-        return tuple(() for _ in range(world_size))
-    return tuple((spares[r % len(spares)],) for r in range(world_size))
+def place_replicas(ranks: tuple[str, ...], spares: tuple[str, ...], replicas: int,
+                   nodes: Mapping[str, int]) -> Decision[tuple[tuple[str, ...], ...]]:
+    """Who holds each rank's snapshots: `replicas` processes, none on the rank's own node (a node
+    failure takes all of its processes at once). Spares first, since they have nothing else to do; peer
+    workers when spares run short (the pool ran empty), paying host memory and some of their cores.
+    Within each kind, rank r starts from the r-th candidate, so the load spreads evenly (rank r -> spare
+    r mod S), and holders on nodes not used yet come before a second one on the same node.
+
+    `nodes` maps a process to its node; a process not in it is a machine of its own (one host)."""
+    def node(proc: str) -> object:
+        return nodes.get(proc, proc)
+
+    holders, short = [], []
+    for r, owner in enumerate(ranks):
+        rotate = lambda procs, k: [procs[(k + j) % len(procs)] for j in range(len(procs))]  # noqa: E731
+        peers = [p for p in rotate(ranks, r + 1) if p != owner]
+        chosen: list[str] = []
+        for kind in (rotate(spares, r) if spares else [], peers):
+            for distinct in (True, False):
+                for proc in kind:
+                    used = {node(c) for c in chosen}
+                    if (len(chosen) < replicas and proc not in chosen and node(proc) != node(owner)
+                            and not (distinct and node(proc) in used)):
+                        chosen.append(proc)
+        holders.append(tuple(chosen))
+        if len(chosen) < replicas:
+            short.append(r)
+    if short:
+        return Decision(tuple(holders), f"ranks {short} have fewer than {replicas} holder(s): no more processes "
+                                        "off their nodes")
+    return Decision(tuple(holders), f"{replicas} holder(s) per rank, spares first")
 
 
 def place_devices(workers: int, spares: int, gpus: int) -> Decision[tuple[int | None, ...]]:
@@ -102,11 +127,25 @@ def place_devices(workers: int, spares: int, gpus: int) -> Decision[tuple[int | 
                              "host memory and take over the GPU of the rank they replace")
 
 
-def initial_plan(world_size: int, spares: tuple[str, ...], replicate: bool = True) -> Plan:
-    """Worker r is rank r; with snapshots off (replicate=False) spares hold nothing."""
+def initial_plan(world_size: int, spares: tuple[str, ...], replicate: bool = True, replicas: int = 1,
+                 nodes: Mapping[str, int] | None = None) -> Plan:
+    """Worker r is rank r; with snapshots off (replicate=False) nobody holds anything."""
     ranks = tuple(f"w{r}" for r in range(world_size))
-    holders = place_replicas(world_size, spares if replicate else ())
-    return Plan(generation=0, ranks=ranks, holders=holders, spares=spares, replicate=replicate)
+    nodes = dict(nodes or {})
+    holders = place_replicas(ranks, spares, replicas, nodes).value if replicate else ((),) * world_size
+    assert holders is not None
+    return Plan(generation=0, ranks=ranks, holders=holders, spares=spares, replicate=replicate, replicas=replicas,
+                nodes=nodes)
+
+
+def node_map(workers: int, spares: int, nproc_per_node: int) -> dict[str, int]:
+    """Which node each process starts on: worker r on node r // R, spare i on the i // R-th spare node
+    (after the worker nodes). Empty on one machine (nproc_per_node 0)."""
+    if not nproc_per_node:
+        return {}
+    worker_nodes = workers // nproc_per_node
+    return {**{f"w{r}": r // nproc_per_node for r in range(workers)},
+            **{f"s{i}": worker_nodes + i // nproc_per_node for i in range(spares)}}
 
 
 def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> Decision[Plan]:
@@ -124,15 +163,19 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
     dead = [r for r, p in enumerate(steady.ranks) if p in lost]
     ranks, moves = list(steady.ranks), []
     sources: list[str | None] = [None] * steady.world_size
+    orphans = [r for r in dead if not any(h not in lost for h in steady.holders[r])]
+    if orphans:
+        who = ", ".join(f"{steady.ranks[r]} (rank {r})" for r in orphans)
+        held = sorted({h for r in orphans for h in steady.holders[r]})
+        its, replica = ("its", "replica") if len(orphans) == 1 else ("their", "replicas")
+        why = f"snapshots are off (--snapshot-every 0), so nobody holds {its} state" if not steady.replicate else (
+            f"every holder of {its} {replica} ({', '.join(held) or 'none'}) is lost too; "
+            f"--replicas {steady.replicas + 1} keeps one more copy of each rank, on another node")
+        return Decision(None, f"{who} failed and {why}")
     for rank in dead:
         live = [h for h in steady.holders[rank] if h not in lost]
-        who = f"{steady.ranks[rank]} (rank {rank})"
         if not pool:
-            return Decision(None, f"{who} failed and no spare is left in the pool")
-        if not live:
-            why = "snapshots are off (--snapshot-every 0), so nobody holds its state" if not steady.replicate else (
-                f"every holder of its replica ({', '.join(steady.holders[rank]) or 'none'}) is lost too")
-            return Decision(None, f"{who} failed and {why}")
+            return Decision(None, f"{steady.ranks[rank]} (rank {rank}) failed and no spare is left in the pool")
         taker = next((h for h in live if h in pool), pool[0])
         pool.remove(taker)
         ranks[rank] = taker
@@ -145,9 +188,12 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
     else:
         reason = f"spare {', '.join(lost_spares)} lost; {len(pool)} left"
     rebuild = bool(dead) or generation != steady.generation or any(steady.held_by(s) for s in lost_spares)
+    # Replicas are placed anew with each generation; without one (an idle spare lost), they stay where they are.
+    holders = place_replicas(tuple(ranks), tuple(pool), steady.replicas, steady.nodes).value if rebuild else None
     new = Plan(generation=generation + rebuild, ranks=tuple(ranks),
-               holders=place_replicas(steady.world_size, tuple(pool) if steady.replicate else ()),
-               spares=tuple(pool), reason=reason, replicate=steady.replicate, sources=tuple(sources) if dead else ())
+               holders=steady.holders if holders is None or not steady.replicate else holders,
+               spares=tuple(pool), reason=reason, replicate=steady.replicate, sources=tuple(sources) if dead else (),
+               replicas=steady.replicas, nodes=steady.nodes)
     return Decision(new, reason)
 
 

@@ -23,7 +23,7 @@ mistaken for g+1; every key carries the job's secret token in its prefix.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 # Process identity travels in the environment; everything else is in the config file it names.
 ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
@@ -52,6 +52,8 @@ class Plan:
     reason: str = "job start"
     replicate: bool = True                 # False when snapshots are off: spares then hold nothing
     sources: tuple[str | None, ...] = ()   # rank -> process that streams its replica to the new owner, or None
+    replicas: int = 1                      # holders wanted per rank (--replicas)
+    nodes: dict[str, int] = field(default_factory=dict)  # process -> its node; none: each is its own machine
 
     @property
     def world_size(self) -> int:
@@ -79,7 +81,8 @@ class Plan:
         raw = json.loads(text)
         return cls(generation=raw["generation"], ranks=tuple(raw["ranks"]),
                    holders=tuple(tuple(h) for h in raw["holders"]), spares=tuple(raw["spares"]),
-                   reason=raw["reason"], replicate=raw["replicate"], sources=tuple(raw.get("sources", ())))
+                   reason=raw["reason"], replicate=raw["replicate"], sources=tuple(raw.get("sources", ())),
+                   replicas=raw.get("replicas", 1), nodes=raw.get("nodes", {}))
 
 
 class Keys:

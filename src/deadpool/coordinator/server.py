@@ -38,6 +38,7 @@ from deadpool.coordinator.policy import (
     hang_timeout,
     hang_verdict,
     initial_plan,
+    node_map,
     plan_after_failures,
 )
 from deadpool.coordinator.protocol import Keys, Plan
@@ -100,7 +101,9 @@ class Coordinator:
         self.events = events
         self.agent = agent
         spares = tuple(f"s{i}" for i in range(config.spares))
-        self.steady = initial_plan(config.workers, spares, replicate=config.snapshot_every != 0)
+        self.steady = initial_plan(config.workers, spares, replicate=config.snapshot_every != 0,
+                                   replicas=config.replicas, nodes=node_map(config.workers, config.spares,
+                                                                            config.nproc_per_node))
         self.plan = self.steady           # the newest published plan (== steady unless recovering)
         self.phase = Phase.STEADY
         self.deadline = float("inf")
@@ -293,8 +296,8 @@ class Coordinator:
         decision = plan_after_failures(self.steady, self.plan.generation, frozenset(self.lost))
         if not decision.ok or decision.value is None:
             lost = "; ".join(f"{f['who']} {f['exit']}" for f in self.swap.failed) if self.swap else ""
-            return self._fail(f"{lost}: {decision.reason}. Last committed step: {self.committed}. "
-                              "Add spares (--spares) to survive more failures.")
+            advice = " Add spares (--spares) to survive more failures." if "no spare" in decision.reason else ""
+            return self._fail(f"{lost}: {decision.reason}. Last committed step: {self.committed}.{advice}")
         plan = decision.value
         if plan.generation == self.plan.generation:  # a lost spare that held nothing: nobody rolls back
             self.steady = self.plan = plan

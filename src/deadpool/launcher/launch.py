@@ -129,7 +129,8 @@ def _run(config: JobConfig, store: dist.TCPStore, devices: Decision, echo: TextI
     if network is not None:
         events.emit("network", bridge=network.bridge, host_address=network.host_address,
                     addresses=[network.address(n) for n in range(config.nodes)],
-                    links=[network.link(n) for n in range(config.nodes)])
+                    links=[network.link(n) for n in range(config.nodes)],
+                    namespaces=[network.namespace(n) for n in range(config.nodes)])
     started = time.monotonic()
     agent: Processes = (start_nodes(config, store, events, echo, start_agents, network) if config.nproc_per_node
                         else Agent(config, config_path, echo=echo))

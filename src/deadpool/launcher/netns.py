@@ -97,13 +97,6 @@ class Network:
         """`argv` run inside node's namespace (the same process: `ip netns exec` execs it)."""
         return ["ip", "netns", "exec", self.namespace(node), *argv]
 
-    def cut(self, node: int) -> None:
-        """Pulls node's cable: its link goes down, packets to and from it are lost (no reset is sent)."""
-        _ip("link", "set", self.link(node), "down")
-
-    def heal(self, node: int) -> None:
-        _ip("link", "set", self.link(node), "up")
-
     def remove(self) -> None:
         """Removes every namespace (their veth pairs go with them) and the bridge; safe to call twice."""
         for node in range(self.nodes):

@@ -54,6 +54,8 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                    help="s an agent may stay silent before its node counts as lost (its ranks are replaced)")
     p.add_argument("--snapshot-every", type=snapshot_every, default=1, help="K steps, 0 = off, or auto")
     p.add_argument("--snapshot-budget", type=float, default=0.01, help="auto: snapshot cost / step time")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="holders of each rank's snapshots, on other nodes: spares first, then peer workers")
     p.add_argument("--backlog-policy", choices=("wait", "skip"), default="wait",
                    help="when replication falls behind: wait for it, or skip the snapshot")
     p.add_argument("--on-divergence", choices=("stop", "warn"), default="stop",
@@ -102,7 +104,8 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
                   run_dir=str(run_dir), store_host=host, store_port=port,
                   backend=args.backend, gpus_per_node=args.gpus_per_node, deterministic=args.deterministic,
                   snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
-                  backlog_policy=args.backlog_policy, on_divergence=args.on_divergence, seed=args.seed,
+                  replicas=args.replicas, backlog_policy=args.backlog_policy, on_divergence=args.on_divergence,
+                  seed=args.seed,
                   settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
                   decision_timeout_s=args.decision_timeout, recovery_timeout_s=args.recovery_timeout,
                   collective_timeout_s=args.collective_timeout, faults=tuple(args.fault if faults is None else faults))

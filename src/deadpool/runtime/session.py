@@ -45,6 +45,7 @@ from deadpool.runtime.comms import (
 )
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.holding import Holdings
 from deadpool.runtime.recovery import Recovery, State
 from deadpool.runtime.sharded import ShardedModel, is_sharded
 from deadpool.runtime.slots import Slot
@@ -152,7 +153,7 @@ class Session:
     and the snapshot engine's run are built from it in `_enter` and torn down together in `leave`.
     """
 
-    def __init__(self, ctx: Context, inc: Incarnation, held: dict[int, list[Slot]] | None = None) -> None:
+    def __init__(self, ctx: Context, inc: Incarnation, held: Holdings | None = None) -> None:
         self.ctx = ctx
         self.inc = inc
         self.backend, self.device = pick_backend(ctx.config.backend, _device_index(ctx, inc))
@@ -167,7 +168,7 @@ class Session:
         self.progress = Progress()
         self.engine = SnapshotEngine(ctx, self.device)
         self.watch: Watch | None = None
-        self._held = held  # a spare's replicas, until it has taken its rank
+        self.held = held or Holdings(ctx)  # other ranks' replicas: a spare's, or a peer's when spares run short
         self._recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self._registered: dict[str, Stateful] = {}
         self._tree: dict[str, Stateful] = {}  # everything a snapshot holds, named (built by run)
@@ -304,6 +305,7 @@ class Session:
         if self._model is not None:
             self._model.detach()
         self.engine.stop()
+        self.held.stop()
         if self.watch is not None:
             self.watch.close()
             self.watch = None
@@ -317,10 +319,17 @@ class Session:
         assert self.watch is not None
         self._attach(sync=True)
         self.engine.start(self.inc, self.watch)
+        self._hold()
         if self.every:
             self.engine.capture(0, self._tree)
             with self.progress.waiting_for("commit"):
                 self.engine.wait_committed(0)
+
+    def _hold(self) -> None:
+        """Starts receiving the peers' snapshots this process holds in this generation (spares ran short)."""
+        held = self.held.start(self.inc)
+        if held:
+            self.ctx.events.emit("holding", ranks=held)
 
     def _point(self, phase: str) -> None:
         """A point of the step the coordinator sees progress at, and where a planned fault may fire."""
@@ -411,6 +420,7 @@ class Session:
         # The process group stays: the script may still use it (a final barrier, an evaluation) and destroy
         # it with dist.destroy_process_group(), as after DDP. Failures from here on are not recovered.
         self.engine.stop()
+        self.held.stop()  # the last snapshot is committed: every holder has acknowledged every rank's copy
 
     # ---- failures ------------------------------------------------------------------------
 
@@ -464,7 +474,7 @@ class Session:
     # ---- the recovery state machine's view of this process (recovery.Member) ---------------
 
     def replicas(self) -> dict[int, list[Slot]]:
-        return self._held or {}
+        return self.held.slots
 
     def take(self, slots: list[Slot]) -> None:
         self.engine.slots = slots
@@ -504,7 +514,8 @@ class Session:
         self._agree(step)
         self.ctx.store.set(self.inc.resumed_key(), str(step))
         self.engine.start(self.inc, self.watch)
-        self._held = None
+        self.held.keep_only(self.inc.plan.held_by(self.ctx.proc))
+        self._hold()
         self._check_next = True
 
     def _agree(self, target: int) -> None:

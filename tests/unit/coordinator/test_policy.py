@@ -23,6 +23,7 @@ from deadpool.coordinator.policy import (
     hang_timeout,
     hang_verdict,
     initial_plan,
+    node_map,
     place_replicas,
     plan_after_failures,
 )
@@ -53,16 +54,37 @@ def test_decision_ok_only_with_a_value():
 
 # ---- place_replicas / initial_plan ----------------------------------------------------------
 
-def test_place_replicas_without_spares_places_nothing():
-    assert place_replicas(3, ()) == ((), (), ())
+def test_place_replicas_without_spares_uses_the_next_peer_worker():
+    assert place_replicas(("w0", "w1", "w2"), (), 1, {}).value == (("w1",), ("w2",), ("w0",))
 
 
 def test_place_replicas_one_spare_holds_every_rank():
-    assert place_replicas(3, ("s0",)) == (("s0",), ("s0",), ("s0",))
+    assert place_replicas(("w0", "w1", "w2"), ("s0",), 1, {}).value == (("s0",), ("s0",), ("s0",))
 
 
 def test_place_replicas_two_spares_round_robin():
-    assert place_replicas(5, ("s0", "s1")) == (("s0",), ("s1",), ("s0",), ("s1",), ("s0",))
+    decision = place_replicas(tuple(f"w{r}" for r in range(5)), ("s0", "s1"), 1, {})
+    assert decision == Decision((("s0",), ("s1",), ("s0",), ("s1",), ("s0",)), "1 holder(s) per rank, spares first")
+
+
+NODES = {"w0": 0, "w1": 0, "w2": 1, "w3": 1, "s0": 2, "s1": 2, "s2": 3, "s3": 3}
+
+
+def test_place_replicas_two_copies_on_two_spare_nodes_before_a_second_on_one():
+    holders = place_replicas(("w0", "w1", "w2", "w3"), ("s0", "s1", "s2", "s3"), 2, NODES).value
+    assert holders == (("s0", "s2"), ("s1", "s2"), ("s2", "s0"), ("s3", "s0"))
+    assert all(len({NODES[h] for h in pair}) == 2 for pair in holders)  # one spare node's loss leaves a copy
+
+
+def test_place_replicas_fills_up_with_peer_workers_on_other_nodes_when_spares_run_short():
+    holders = place_replicas(("w0", "w1", "w2", "w3"), ("s0",), 2, NODES).value
+    assert holders == (("s0", "w2"), ("s0", "w2"), ("s0", "w0"), ("s0", "w0"))
+    assert place_replicas(("w0", "w1", "w2", "w3"), (), 1, NODES).value == (("w2",), ("w2",), ("w0",), ("w0",))
+
+
+def test_place_replicas_never_on_the_own_node_and_says_when_short():
+    decision = place_replicas(("w0", "w1"), (), 1, {"w0": 0, "w1": 0})  # one node: nowhere else to go
+    assert decision == Decision(((), ()), "ranks [0, 1] have fewer than 1 holder(s): no more processes off their nodes")
 
 
 def test_initial_plan():
@@ -92,14 +114,14 @@ def test_last_spare_takes_over_and_leaves_no_holders():
     plan = initial_plan(2, ("s0",))
     decision = plan_after_failures(plan, 0, frozenset({"w0"}))
     reason = "w0 (rank 0) failed; s0 takes rank 0"
-    assert decision == Decision(Plan(generation=1, ranks=("s0", "w1"), holders=((), ()), spares=(),
-                                     reason=reason, sources=(None, None)), reason)
+    assert decision == Decision(Plan(generation=1, ranks=("s0", "w1"), holders=(("w1",), ("s0",)), spares=(),
+                                     reason=reason, sources=(None, None)), reason)  # the ranks hold each other's
 
 
 def test_generation_counts_on_from_the_newest_published():
     plan = Plan(generation=5, ranks=("w0", "s0"), holders=(("s1",), ("s1",)), spares=("s1",))
     decision = plan_after_failures(plan, 5, frozenset({"s0"}))  # s0 is rank 1 now: a worker failure
-    assert decision.value == Plan(generation=6, ranks=("w0", "s1"), holders=((), ()), spares=(),
+    assert decision.value == Plan(generation=6, ranks=("w0", "s1"), holders=(("s1",), ("w0",)), spares=(),
                                   reason="s0 (rank 1) failed; s1 takes rank 1", sources=(None, None))
 
 
@@ -108,8 +130,8 @@ def test_two_failures_whose_replicas_share_a_holder_stream_one_to_the_other_spar
     plan = initial_plan(3, ("s0", "s1"))  # holders: s0, s1, s0
     decision = plan_after_failures(plan, 0, frozenset({"w0", "w2"}))
     reason = "w0 (rank 0), w2 (rank 2) failed; s0 takes rank 0, s1 takes rank 2 (from s0's replica)"
-    assert decision == Decision(Plan(generation=1, ranks=("s0", "w1", "s1"), holders=((), (), ()), spares=(),
-                                     reason=reason, sources=(None, None, "s0")), reason)
+    assert decision == Decision(Plan(generation=1, ranks=("s0", "w1", "s1"), holders=(("w1",), ("s1",), ("s0",)),
+                                     spares=(), reason=reason, sources=(None, None, "s0")), reason)
     assert decision.value.sends_from("s0") == [2]
 
 
@@ -152,7 +174,26 @@ def test_more_failures_than_spares():
 def test_rank_whose_every_holder_is_lost():
     plan = initial_plan(2, ("s0", "s1"))  # rank 0 -> s0, rank 1 -> s1
     decision = plan_after_failures(plan, 0, frozenset({"w0", "s0"}))
-    assert decision == Decision(None, "w0 (rank 0) failed and every holder of its replica (s0) is lost too")
+    assert decision == Decision(None, "w0 (rank 0) failed and every holder of its replica (s0) is lost too; "
+                                      "--replicas 2 keeps one more copy of each rank, on another node")
+
+
+def test_every_rank_left_without_a_holder_is_named():
+    plan = initial_plan(4, ("s0", "s1"), nodes=NODES)  # ranks 0, 2 -> s0; 1, 3 -> s1 (all on node 2)
+    decision = plan_after_failures(plan, 0, frozenset({"w0", "w1", "s0", "s1"}))
+    assert decision == Decision(None, "w0 (rank 0), w1 (rank 1) failed and every holder of their replicas (s0, s1) "
+                                      "is lost too; --replicas 2 keeps one more copy of each rank, on another node")
+
+
+def test_with_two_replicas_a_rank_survives_losing_one_holder_with_it():
+    plan = initial_plan(2, ("s0", "s1"), replicas=2)  # rank 0 -> s0, s1; rank 1 -> s1, s0
+    decision = plan_after_failures(plan, 0, frozenset({"w0", "s0"}))
+    assert decision.value is not None and decision.value.ranks == ("s1", "w1")
+    assert decision.value.holders == (("w1",), ("s1",)) and decision.value.replicas == 2  # short of 2: nobody else
+
+
+def test_node_map_puts_workers_then_spares_on_nodes_of_nproc():
+    assert node_map(4, 4, 2) == NODES and node_map(4, 1, 0) == {}
 
 
 def test_spare_without_replicas_cannot_take_over_when_snapshots_are_off():

@@ -23,7 +23,7 @@ def test_plan_json_is_plain_data():
     assert json.loads(PLAN.to_json()) == {
         "generation": 3, "ranks": ["w0", "s1", "w2"], "holders": [["s0"], ["s0", "s2"], []],
         "spares": ["s0", "s2"], "reason": "w1 (rank 1) failed; spare s1 takes rank 1",
-        "replicate": True, "sources": []}
+        "replicate": True, "sources": [], "replicas": 1, "nodes": {}}
 
 
 def test_plan_default_reason():

@@ -129,6 +129,8 @@ def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]") -> None:
         out.put("barrier returned")
     except RuntimeError as error:
         out.put(f"{time.monotonic() - start:.2f} {is_communication_error(error)}")
+    out.close()
+    out.join_thread()  # put() hands the message to a feeder thread: os._exit would lose it on a busy machine
     os._exit(0)  # the abandoned group must not be destroyed at exit
 
 

@@ -230,3 +230,12 @@ def test_checksums_give_the_lead_region_crc_and_the_whole_checksum_in_one_pass()
     assert checksums(b"meta", data, 0)[1] == whole  # where the lead region ends does not change the whole
     data[150] ^= 1
     assert checksums(b"meta", data, 100) == (lead, checksum(b"meta", data)) and checksum(b"meta", data) != whole
+
+
+def test_slots_are_found_in_a_list_by_identity():
+    """An abandoned receiver's slot is looked up in its list to be replaced: comparing the slots' fields
+    (their buffers) raised "Boolean value of Tensor ... is ambiguous" and killed the spare."""
+    a, b = Slot(), Slot()
+    a.reserve(8)
+    b.reserve(8)
+    assert a in [b, a] and [b, a].index(a) == 1 and a != b and Slot() not in [a, b]

@@ -1,0 +1,53 @@
+"""Replica placement across nodes (--replicas K): a worker node and the spare node holding its ranks'
+only replicas die together, which no spare can recover with one copy and can with two; and once the
+spares run out, peer workers hold each other's replicas (host memory reported per holder)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.integration.conftest import Background, Job
+from tests.integration.test_nodes import assert_same_training
+
+TWO_SPARE_NODES = dict(workers=4, spares=4, nproc_per_node=2, settle_s=0.5)  # nodes 0, 1: workers; 2, 3: spares
+
+
+def kill_nodes_together(tmp_path, nodes: tuple[int, ...], **job) -> Job:
+    """SIGKILLs the agents of `nodes` at once, mid-run (their processes die with them)."""
+    running = Background(tmp_path, **TWO_SPARE_NODES, **job)
+    events = running.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
+    [joined] = [e for e in events if e["event"] == "nodes_joined"]
+    for node in nodes:
+        os.kill(joined["agent_pids"][node], signal.SIGKILL)
+    return running.join()
+
+
+def test_with_one_replica_a_node_and_the_holder_of_its_ranks_cannot_be_recovered(tmp_path):
+    job = kill_nodes_together(tmp_path, (0, 2), replicas=1)
+    assert job.code == 1
+    [plan] = job.named("plan_published")
+    assert plan["holders"] == [["s0"], ["s1"], ["s2"], ["s3"]]  # ranks 0 and 1: on spare node 2 only
+    error = job.summary["error"]
+    assert ("w0 (rank 0), w1 (rank 1) failed and every holder of their replicas (s0, s1) is lost too; "
+            "--replicas 2 keeps one more copy of each rank, on another node") in error
+    assert "Last committed step: " in error and "--spares" not in error  # more spares would not have helped
+
+
+def test_with_two_replicas_on_two_spare_nodes_the_same_failure_is_recovered(tmp_path, reference):
+    job = kill_nodes_together(tmp_path, (0, 2), replicas=2)
+    assert_same_training(job, reference)
+    first = job.named("plan_published")[0]
+    assert first["holders"] == [["s0", "s2"], ["s1", "s2"], ["s2", "s0"], ["s3", "s0"]]  # two spare nodes each
+    [recovery] = job.summary["recoveries"]
+    assert recovery["replaced"] == {"0": "s2", "1": "s3"}
+    [received] = [e for e in job.named("replica_received") if e["of_rank"] == 1]
+    assert received["source"] == "s2"  # s3 held no copy of rank 1: s2 streamed it
+    # The pool is empty now: the ranks hold each other's snapshots, on the other node, two copies each.
+    last = job.named("plan_published")[-1]
+    assert last["holders"] == [["w2", "w3"], ["w2", "w3"], ["s2", "s3"], ["s2", "s3"]]
+    memory = job.summary["replica_memory_bytes"]
+    assert sorted(memory) == ["s2", "s3", "w2", "w3"] and len(set(memory.values())) == 1
+    snapshot = max(e["bytes"] for e in job.named("snapshot"))
+    assert memory["w2"] >= 2 * 2 * snapshot  # two ranks held, two slots each
+
