@@ -143,47 +143,36 @@ netns_missing = available()
 in_namespaces = pytest.mark.skipif(bool(netns_missing), reason=netns_missing or "")
 
 
+THREE_NODES = dict(workers=6, spares=2, nproc_per_node=2)  # 3 worker nodes of 2 ranks, 1 spare node of 2 spares
+nft_missing = "" if shutil.which("nft") else "nft (nftables) is not installed: apt-get install nftables"
+
+
+@pytest.fixture(scope="module")
+def six_ranks(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The failure-free run of the 3-node jobs below (6 ranks, trained as on one machine)."""
+    job = run_job(tmp_path_factory.mktemp("six-ranks"), workers=6, spares=1)
+    assert job.code == 0 and job.summary["swaps"] == 0
+    return job
+
+
 @in_namespaces
-def test_in_namespaces_a_killed_node_is_swapped(tmp_path, reference):
-    job = run_job(tmp_path, netns=True, faults=(Fault(kind="kill_node", rank=0, step=5),), **NODES)
-    assert_same_training(job, reference)
+def test_in_namespaces_a_killed_node_is_swapped(tmp_path, six_ranks):
+    job = run_job(tmp_path, netns=True, faults=(Fault(kind="kill_node", rank=0, step=5),), **THREE_NODES)
+    assert_same_training(job, six_ranks)
     [network] = job.named("network")
-    assert len(set(network["addresses"])) == 3 and network["host_address"].endswith(".1")
+    assert len(set(network["addresses"])) == 4 and network["host_address"].endswith(".1")
     assert job.summary["recoveries"][0]["replaced"] == {"0": "s0", "1": "s1"}
     assert not [n for n in _namespaces() if n.startswith(network["bridge"][:6])]  # all removed
 
 
-@in_namespaces
-def test_a_cut_cable_is_detected_fenced_and_swapped_and_the_old_node_is_refused(tmp_path, reference):
-    """Node 1's link goes down mid-run: its agent falls silent, the node is declared lost within the node
-    timeout and spare node 2 takes ranks 2 and 3. When the link comes back, node 1's processes learn they
-    were replaced and exit; nothing they write belongs to the new generation."""
-    job = Background(tmp_path, netns=True, node_timeout_s=3.0, **NODES)
-    events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
-    [network] = [e for e in events if e["event"] == "network"]
-    subprocess.run(["ip", "link", "set", network["links"][1], "down"], check=True)
-    cut = time.monotonic()
-    try:
-        job.wait_for(lambda e: e["event"] == "swap_complete", timeout_s=60)
-    finally:
-        subprocess.run(["ip", "link", "set", network["links"][1], "up"], check=False)
-    done = job.join()
-    assert_same_training(done, reference)
-    [detected, *_] = done.named("failure_detected")
-    assert "lost with node 1 (its agent was silent for" in detected["exit"]
-    assert detected["t"] - cut < 3.0 + 3.0  # the node timeout, and scheduling on a busy machine
-    assert done.summary["recoveries"][0]["replaced"] == {"2": "s0", "3": "s1"}
-    old = [e for e in done.events if e["proc"] in ("w2", "w3")]
-    assert old and all(e["gen"] == 0 for e in old)  # the old node never acted in generation 1
-
-
-nft_missing = "" if shutil.which("nft") else "nft (nftables) is not installed: apt-get install nftables"
-
-
-def _firewall(namespace: str, drop: bool) -> None:
-    """Drops every packet in or out of a node's interface (a firewall rule, the link stays up), or lifts it."""
-    nft = ["ip", "netns", "exec", namespace, "nft"]
-    if not drop:
+def _partition(network: dict, node: int, how: str, cut: bool) -> None:
+    """Cuts node off (or heals it): its link down, or a firewall rule in its namespace that drops every
+    packet in or out of its interface while the link stays up."""
+    if how == "link":
+        subprocess.run(["ip", "link", "set", network["links"][node], "down" if cut else "up"], check=True)
+        return
+    nft = ["ip", "netns", "exec", network["namespaces"][node], "nft"]
+    if not cut:
         subprocess.run([*nft, "delete", "table", "inet", "partition"], check=True)
         return
     subprocess.run([*nft, "add", "table", "inet", "partition"], check=True)
@@ -194,28 +183,30 @@ def _firewall(namespace: str, drop: bool) -> None:
 
 
 @in_namespaces
-@pytest.mark.skipif(bool(nft_missing), reason=nft_missing)
-def test_a_firewall_that_drops_a_nodes_packets_is_a_partition_too(tmp_path, reference):
-    """The same partition made by a firewall rule in node 1's namespace (its link stays up, every packet
-    in or out is dropped): detected within the node timeout, swapped; once the rule is lifted the old
-    node's processes learn they were replaced and exit, and nothing of theirs reaches generation 1."""
-    job = Background(tmp_path, netns=True, node_timeout_s=3.0, **NODES)
+@pytest.mark.parametrize("how", ["link", pytest.param("firewall", marks=pytest.mark.skipif(bool(nft_missing),
+                                                                                          reason=nft_missing))])
+def test_a_partitioned_node_is_detected_fenced_and_swapped_and_the_old_node_is_refused(tmp_path, six_ranks, how):
+    """Node 1 is cut off mid-run (its link pulled, or its packets dropped by a firewall rule): its agent
+    falls silent, the node is declared lost within the node timeout and spare node 3 takes ranks 2 and 3.
+    When the partition heals, node 1's processes learn they were replaced and exit; nothing they write
+    belongs to the new generation."""
+    job = Background(tmp_path, netns=True, node_timeout_s=3.0, **THREE_NODES)
     events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
     [network] = [e for e in events if e["event"] == "network"]
-    _firewall(network["namespaces"][1], drop=True)
+    _partition(network, 1, how, cut=True)
     cut = time.monotonic()
     try:
         job.wait_for(lambda e: e["event"] == "swap_complete", timeout_s=60)
     finally:
-        _firewall(network["namespaces"][1], drop=False)
+        _partition(network, 1, how, cut=False)
     done = job.join()
-    assert_same_training(done, reference)
+    assert_same_training(done, six_ranks)
     [detected, *_] = done.named("failure_detected")
     assert "lost with node 1 (its agent was silent for" in detected["exit"]
-    assert detected["t"] - cut < 3.0 + 3.0
+    assert detected["t"] - cut < 3.0 + 3.0  # the node timeout, and scheduling on a busy machine
     assert done.summary["recoveries"][0]["replaced"] == {"2": "s0", "3": "s1"}
     old = [e for e in done.events if e["proc"] in ("w2", "w3")]
-    assert old and all(e["gen"] == 0 for e in old)  # and no process outlives the job (no_leaked_processes)
+    assert old and all(e["gen"] == 0 for e in old)  # never acted in generation 1; none outlives the job
 
 
 def _namespaces() -> list[str]:

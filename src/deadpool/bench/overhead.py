@@ -269,7 +269,8 @@ def run_variant(variant: Variant, size: Size, ranks: int, steps: int, args: argp
     script_args = ("--steps", str(steps), *size.script_args())
     if variant.system == "deadpool":
         assert variant.snapshot_every is not None
-        config = JobConfig(script=str(EXAMPLE), script_args=(*script_args, "--log-every", "1000"), workers=ranks,
+        config = JobConfig(script=str(EXAMPLE), script_args=(*script_args, "--log-every", "1000", "--parallel",
+                                                             args.parallel), workers=ranks,
                            spares=args.spares, run_dir=str(run_dir), snapshot_every=variant.snapshot_every)
         code, summary = launch(config, echo=None)
         if code != 0:
@@ -296,7 +297,8 @@ def bench_overhead(args: argparse.Namespace) -> int:
     cells = [(size, n) for size in sizes for n in ranks]
     total = len(cells) * args.rounds * len(variants)
     print(f"{len(cells)} cells x {args.rounds} rounds x {len(variants)} variants = {total} runs of {steps} steps "
-          f"({warmup} warm-up); DeadPool with {args.spares} spare(s); DCP every {args.ckpt_every} steps")
+          f"({warmup} warm-up); DeadPool ({args.parallel}) with {args.spares} spare(s); "
+          f"DCP every {args.ckpt_every} steps")
     peak, available = max(deadpool_memory(params[s.name], n, args.spares) for s, n in cells), available_memory()
     print(f"DeadPool's biggest cell holds about {peak / 1e9:.1f} GB; {available / 1e9:.1f} GB available"
           + ("  -- WARNING: it may not fit" if peak > available else ""), flush=True)

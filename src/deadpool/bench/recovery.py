@@ -1,7 +1,9 @@
 """`deadpool bench recovery`: the same job, the same worker SIGKILLed (kill) or SIGSTOPped (hang) at the
 same step, recovered by DeadPool's hot swap, by torchrun + DCP restart and (if installed) by torchft, which
 trains on without the lost replica until it heals back in; then DeadPool's recovery against world and
-state size.
+state size. The `node` fault SIGKILLs a whole node (its agent and its 2 ranks) of a DeadPool job run as
+nodes of 2 ranks with one spare node (in network namespaces with --netns); the baselines have no node
+agents, so that row is DeadPool's alone.
 
 Every run is bounded: a system that completes no step within --hang-wait seconds of the fault is stopped,
 all its processes killed, and recorded as not recovered (its times are None).
@@ -29,12 +31,13 @@ from deadpool.launcher.launch import launch
 from deadpool.launcher.options import EXAMPLE, default_out
 from deadpool.report import final_losses
 
-FAULT_KINDS = ("kill", "hang")  # what happens to the worker: SIGKILL, or SIGSTOP (alive, silent, sockets open)
+FAULT_KINDS = ("kill", "hang", "node")  # SIGKILL a worker, SIGSTOP it (alive, silent), or SIGKILL its whole node
+NODE_RANKS = 2  # ranks per node in the node fault's runs
 RUN_TIMEOUT_S = 600.0  # the longest any one run may take, fault or not
 
 
 def fault_kinds(text: str) -> tuple[str, ...]:
-    """--faults: a comma-separated choice of kill and hang, in the order given."""
+    """--faults: a comma-separated choice of kill, hang and node, in the order given."""
     kinds = tuple(dict.fromkeys(kind.strip() for kind in text.split(",") if kind.strip()))
     if not kinds or not set(kinds) <= set(FAULT_KINDS):
         raise ConfigError(f"--faults takes a comma-separated list of {', '.join(FAULT_KINDS)}, got {text!r}")
@@ -112,12 +115,15 @@ def _at(fault: Fault | None, kind: str) -> tuple[int, int] | None:
 
 
 def _deadpool(run_dir: Path, workers: int, steps: int, fault: Fault | None, script_args: tuple[str, ...],
-              hang_wait_s: float) -> list[dict[str, Any]]:
+              hang_wait_s: float, netns: bool = False) -> list[dict[str, Any]]:
     """One DeadPool job, launched in a child process of its own (this module's __main__) so that a job that
-    does not recover can be stopped at the hang wait with every process it started."""
+    does not recover can be stopped at the hang wait with every process it started. A node fault runs the
+    job as nodes of NODE_RANKS ranks and one spare node (trained exactly as on one machine: tested)."""
+    nodes = fault is not None and fault.kind == "kill_node"
     config = JobConfig(script=str(EXAMPLE), script_args=("--steps", str(steps), "--log-every", "1000", "--log-samples",
                                                        *script_args),
-                       workers=workers, spares=1, run_dir=str(run_dir), faults=(fault,) if fault else ())
+                       workers=workers, spares=NODE_RANKS if nodes else 1, nproc_per_node=NODE_RANKS if nodes else 0,
+                       netns=netns and nodes, run_dir=str(run_dir), faults=(fault,) if fault else ())
     run_dir.mkdir(parents=True, exist_ok=True)
     events_path, log_path = run_dir / "events.jsonl", run_dir / "launch.log"
     events_path.unlink(missing_ok=True)  # a stale fault_injected would start the hang wait at once
@@ -159,13 +165,15 @@ def compare(out: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
     --faults, `args.reps` times each, interleaved, each against its own failure-free run; rows and the first
     rep's timelines, keyed "system, fault"."""
     kinds, wait = fault_kinds(args.faults), args.hang_wait
+    mine = ("--parallel", args.parallel)  # DeadPool's runs; the baselines' scripts are DDP
     systems: list[tuple[str, str, Runner]] = [  # (name in rows, run directory prefix, run)
-        ("deadpool", "deadpool", lambda run_dir, f: _deadpool(run_dir, args.workers, args.steps, f, (), wait)),
+        ("deadpool", "deadpool",
+         lambda run_dir, f: _deadpool(run_dir, args.workers, args.steps, f, mine, wait, args.netns)),
         (f"torchrun+dcp(every {args.ckpt_every})", "torchrun",
          lambda run_dir, f: _torchrun(run_dir, args.workers, args.steps, f, args.ckpt_every, wait))]
     if args.compile:  # the same job with torch.compile, its spare compiling while it waits; no baselines
         systems[1] = ("deadpool+compile", "deadpool-compile",
-                      lambda run_dir, f: _deadpool(run_dir, args.workers, args.steps, f, ("--compile",), wait))
+                      lambda run_dir, f: _deadpool(run_dir, args.workers, args.steps, f, (*mine, "--compile"), wait))
     elif not args.no_torchft:
         if torchft_available():
             name = "torchft" if args.torchft_timeout == 5.0 else f"torchft(timeouts {args.torchft_timeout:g} s)"
@@ -173,18 +181,21 @@ def compare(out: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
                                                                         args.torchft_timeout, wait)))
         else:
             print('torchft not installed: pip install -e ".[torchft]"', flush=True)
+    if set(kinds) == {"node"}:  # DeadPool's row only: no baseline runs at all
+        systems = systems[:1]
     references = {name: run(out / f"{prefix}-reference", None) for name, prefix, run in systems}
     rows: list[dict[str, Any]] = []
     timelines: dict[str, list] = {}
     for rep in range(args.reps):
+        done = len(rows)
         for kind in kinds:
-            fault = Fault(kind=kind, rank=args.kill_rank, step=args.kill_step, phase="backward")
-            for name, prefix, run in systems:
+            fault = Fault(kind="kill_node" if kind == "node" else kind, rank=args.kill_rank, step=args.kill_step,
+                          phase="backward")
+            for name, prefix, run in systems[:1] if kind == "node" else systems:
                 events = run(out / f"{prefix}-{kind}-{rep}", fault)
                 rows.append(recovery_row(name, rep, events, references[name]))
                 timelines.setdefault(f"{name}, {kind}", timeline(events))
-        latest = [f"{r['system']} {r['fault']} {_seconds(r['fault_to_next_step_s'])}"
-                  for r in rows[-len(systems) * len(kinds):]]
+        latest = [f"{r['system']} {r['fault']} {_seconds(r['fault_to_next_step_s'])}" for r in rows[done:]]
         print(f"rep {rep + 1}/{args.reps}: " + ", ".join(latest), flush=True)
     return rows, timelines
 
@@ -210,7 +221,7 @@ def scaling(out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]], hang_wait_s: float | None = None) -> str:
     """One line per system and fault, a system's faults side by side: median (min..max) of the runs that
     recovered, and how many did not ("no recovery within N s" when none did)."""
-    lines = [f"{'system':>24} {'fault':>5} {'fault->next step':>26} {'fault->back at fault step':>26} "
+    lines = [f"{'system':>24} {'fault':>9} {'fault->next step':>26} {'fault->back at fault step':>26} "
              f"{'steps lost':>10} {'samples lost':>12} {'bitwise':>8}"]
     systems = dict.fromkeys(r["system"] for r in rows)
     groups = [(s, f) for s in systems for f in dict.fromkeys(r["fault"] for r in rows if r["system"] == s)]
@@ -228,7 +239,7 @@ def table(rows: list[dict[str, Any]], hang_wait_s: float | None = None) -> str:
 
     for system, fault in groups:
         mine = [r for r in rows if r["system"] == system and r["fault"] == fault]
-        lines.append(f"{system:>24} {fault:>5} {stat(mine, 'fault_to_next_step_s'):>26} "
+        lines.append(f"{system:>24} {fault:>9} {stat(mine, 'fault_to_next_step_s'):>26} "
                      f"{stat(mine, 'kill_to_frontier_s'):>26} {distinct(mine, 'steps_lost'):>10} "
                      f"{distinct(mine, 'samples_lost'):>12} {str(all(r['bitwise_equal'] for r in mine)):>8}")
     return "\n".join(lines)
@@ -240,7 +251,9 @@ def bench_recovery(args: argparse.Namespace) -> int:
     rows, timelines = compare(out, args)
     scale = [] if args.no_scaling else scaling(out, args)
     (out / "recovery.json").write_text(json.dumps(rows + scale, indent=2))
-    print(f"\n{args.workers} workers, {args.steps} steps, rank {args.kill_rank} SIGKILLed (kill) or SIGSTOPped (hang) "
+    print(f"\n{args.workers} workers ({args.parallel}), {args.steps} steps, rank {args.kill_rank} SIGKILLed (kill), "
+          f"SIGSTOPped (hang) or killed with its node of {NODE_RANKS} "
+          f"(kill_node{', namespaces' if args.netns else ''}) "
           f"in step {args.kill_step}, {args.reps} repetitions (median, min..max); a run with no step within "
           f"{args.hang_wait:g} s of the fault was stopped\n{table(rows, args.hang_wait)}")
     for path in plot_recovery(out, rows, scale, timelines):

@@ -37,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="the agent of one node: runs its processes for a coordinator")
     agent.add_argument("--coordinator", required=True, metavar="HOST:PORT",
                        help="the coordinator's store (its --master-addr and --master-port)")
-    agent.add_argument("--node-rank", type=int, required=True, help="this node's number: 0, 1, ... (torchrun's)")
+    which = agent.add_mutually_exclusive_group(required=True)
+    which.add_argument("--node-rank", type=int, help="this node's number: 0, 1, ... (torchrun's)")
+    which.add_argument("--spare", action="store_true",
+                       help="join the running job as a new spare node (the coordinator numbers it); its spares "
+                            "refill the pool")
     agent.add_argument("--out", type=Path, default=None, help="run directory on this node (default: the job's)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="s to wait for the coordinator")
 
@@ -64,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                           default="deadpool-off,deadpool-every-1,deadpool-auto,dcp-off,dcp-sync,dcp-async",
                           help="a subset of these (each variant's baseline runs too)")
     overhead.add_argument("--spares", type=int, default=1, help="DeadPool's spares (they hold the replicas)")
+    overhead.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                          help="DeadPool's variants: the example data-parallel or sharded (the DCP variants stay DDP)")
     overhead.add_argument("--ckpt-every", type=int, default=5, help="DCP variants: a checkpoint every K steps")
     overhead.add_argument("--steps", type=int, default=None,
                           help="steps per run: a warm-up of 2K (at least 10) plus a multiple of K (default: one K)")
@@ -87,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     recovery.add_argument("--torchft-timeout", type=float, default=5.0,
                           help="torchft's heartbeat and gloo timeouts in s (its defaults: 5); lower recovers sooner")
     recovery.add_argument("--faults", default="kill,hang",
-                          help="comma-separated faults to inject: kill (SIGKILL), hang (SIGSTOP); default both")
+                          help="comma-separated faults to inject: kill (SIGKILL), hang (SIGSTOP), node (a whole node "
+                               "of 2 ranks SIGKILLed; DeadPool only); default kill,hang")
+    recovery.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                          help="DeadPool's runs: the example data-parallel or sharded (the baselines stay DDP)")
+    recovery.add_argument("--netns", action="store_true", help="node fault: each node in a network namespace (root)")
     recovery.add_argument("--hang-wait", type=float, default=120.0,
                           help="s a system gets from the fault to its next step; past it the run counts as not "
                                "recovered and all its processes are killed")
@@ -117,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "agent":
             from deadpool.launcher.node import agent_main
 
-            return agent_main(args.coordinator, args.node_rank, args.out, args.connect_timeout)
+            return agent_main(args.coordinator, None if args.spare else args.node_rank, args.out, args.connect_timeout)
         if args.command == "simulate":
             return sim_cli.main(args)
         if args.command == "demo":

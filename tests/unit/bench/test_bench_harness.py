@@ -113,6 +113,7 @@ def test_table_puts_a_systems_faults_side_by_side_and_says_which_never_recovered
 def test_fault_kinds_are_parsed_in_order_and_checked():
     assert fault_kinds("kill,hang") == ("kill", "hang")
     assert fault_kinds(" hang , kill,hang") == ("hang", "kill")
+    assert fault_kinds("node,kill") == ("node", "kill")
     for bad in ("", "kill,stop", ","):
         with pytest.raises(ConfigError, match="--faults"):
             fault_kinds(bad)
