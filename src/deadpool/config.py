@@ -63,8 +63,6 @@ class JobConfig:
     cuBLAS's fixed workspace, cuDNN without autotuning); the CPU kernels are deterministic already.
     hang_timeout_s: a rank that makes no progress this long while its peers wait is fenced; None
     adapts it to the job (coordinator/policy.py: hang_timeout).
-    spare_wait_s: when a rank fails and no spare is left, how long the coordinator waits for a spare node
-    to join (`deadpool agent --spare`) and start its spares before it stops the job; 0 stops at once.
     """
 
     script: str
@@ -90,7 +88,6 @@ class JobConfig:
     poll_interval_s: float = 0.02
     settle_s: float = 0.05
     hang_timeout_s: float | None = None
-    spare_wait_s: float = 0.0
     decision_timeout_s: float = 10.0
     recovery_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0
@@ -142,11 +139,6 @@ class JobConfig:
             raise ConfigError(f"--hang-timeout must lie between the poll interval ({self.poll_interval_s}s) and "
                               f"the collective timeout ({self.collective_timeout_s}s), got {hang}s: a survivor "
                               "must not give up on a collective before a hung peer is fenced")
-        if not 0 <= self.spare_wait_s < self.collective_timeout_s:  # also rejects NaN
-            raise ConfigError(f"--spare-wait must lie in [0, collective timeout ({self.collective_timeout_s}s)), got "
-                              f"{self.spare_wait_s}s: the survivors wait that long at most for the plan that ends it")
-        if self.spare_wait_s and not self.nproc_per_node:
-            raise ConfigError("--spare-wait waits for a spare node to join (`deadpool agent --spare`): give --nnodes")
         if not self.connect_timeout_s > 0:  # also rejects NaN
             raise ConfigError(f"connect timeout must be positive, got {self.connect_timeout_s}")
         for fault in self.faults:

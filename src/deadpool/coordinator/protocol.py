@@ -131,11 +131,6 @@ class Keys:
     def node(self, node: int) -> str:
         return self._k(f"node/{node}")
 
-    def nodes_joined(self) -> str:
-        """A counter: each agent that joins a running job as a spare node (`--spare`) adds one and takes the
-        next node number after the job's own nodes."""
-        return self._k("nodes/joined")
-
     def node_beat(self, node: int) -> str:
         return self._k(f"node/{node}/beat")
 
