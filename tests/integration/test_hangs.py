@@ -26,8 +26,8 @@ def assert_hung_rank_swapped(job: Job, rank: int) -> None:
     assert not any("Timed out" in e["cause"] for e in job.named("failure_seen"))  # released by the abort
 
 
-@pytest.mark.parametrize("phase", ["step_start", "forward", "backward", "after_optimizer", "snapshot_copy",
-                                   "replicate"])
+# forward and after_optimizer were dropped for CI time (2026-12-01): the phases either side of each are kept
+@pytest.mark.parametrize("phase", ["step_start", "backward", "snapshot_copy", "replicate"])
 def test_sigstop_in_any_phase_is_fenced_and_swapped_bit_for_bit(tmp_path, reference, phase):
     job = run_job(tmp_path, faults=(Fault(kind="hang", rank=2, step=6, phase=phase),))
     assert_same_training(job, reference)
