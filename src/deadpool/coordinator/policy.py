@@ -86,12 +86,14 @@ def place_replicas(ranks: tuple[str, ...], spares: tuple[str, ...], replicas: in
     def node(proc: str) -> object:
         return nodes.get(proc, proc)
 
+    def rotate(procs: tuple[str, ...], k: int) -> list[str]:
+        return [procs[(k + j) % len(procs)] for j in range(len(procs))]
+
     holders, short = [], []
     for r, owner in enumerate(ranks):
-        rotate = lambda procs, k: [procs[(k + j) % len(procs)] for j in range(len(procs))]  # noqa: E731
         peers = [p for p in rotate(ranks, r + 1) if p != owner]
         chosen: list[str] = []
-        for kind in (rotate(spares, r) if spares else [], peers):
+        for kind in (rotate(spares, r), peers):
             for distinct in (True, False):
                 for proc in kind:
                     used = {node(c) for c in chosen}
@@ -189,9 +191,10 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
         reason = f"spare {', '.join(lost_spares)} lost; {len(pool)} left"
     rebuild = bool(dead) or generation != steady.generation or any(steady.held_by(s) for s in lost_spares)
     # Replicas are placed anew with each generation; without one (an idle spare lost), they stay where they are.
-    holders = place_replicas(tuple(ranks), tuple(pool), steady.replicas, steady.nodes).value if rebuild else None
-    new = Plan(generation=generation + rebuild, ranks=tuple(ranks),
-               holders=steady.holders if holders is None or not steady.replicate else holders,
+    holders = (place_replicas(tuple(ranks), tuple(pool), steady.replicas, steady.nodes).value
+               if rebuild and steady.replicate else steady.holders)
+    assert holders is not None
+    new = Plan(generation=generation + rebuild, ranks=tuple(ranks), holders=holders,
                spares=tuple(pool), reason=reason, replicate=steady.replicate, sources=tuple(sources) if dead else (),
                replicas=steady.replicas, nodes=steady.nodes)
     return Decision(new, reason)

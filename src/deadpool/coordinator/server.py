@@ -296,7 +296,8 @@ class Coordinator:
         decision = plan_after_failures(self.steady, self.plan.generation, frozenset(self.lost))
         if not decision.ok or decision.value is None:
             lost = "; ".join(f"{f['who']} {f['exit']}" for f in self.swap.failed) if self.swap else ""
-            advice = " Add spares (--spares) to survive more failures." if "no spare" in decision.reason else ""
+            pool_empty = all(s in self.lost for s in self.steady.spares)
+            advice = " Add spares (--spares) to survive more failures." if pool_empty else ""
             return self._fail(f"{lost}: {decision.reason}. Last committed step: {self.committed}.{advice}")
         plan = decision.value
         if plan.generation == self.plan.generation:  # a lost spare that held nothing: nobody rolls back
