@@ -63,6 +63,9 @@ class JobConfig:
     cuBLAS's fixed workspace, cuDNN without autotuning); the CPU kernels are deterministic already.
     hang_timeout_s: a rank that makes no progress this long while its peers wait is fenced; None
     adapts it to the job (coordinator/policy.py: hang_timeout).
+    spare_wait_s: when a rank fails and no spare is left, how long the coordinator waits for a spare node
+    to join (`deadpool agent --spare`) and start its spares before it stops the job; 0 stops at once.
+    The survivors wait for the next plan that much longer than the collective timeout.
     """
 
     script: str
@@ -88,6 +91,7 @@ class JobConfig:
     poll_interval_s: float = 0.02
     settle_s: float = 0.05
     hang_timeout_s: float | None = None
+    spare_wait_s: float = 0.0
     decision_timeout_s: float = 10.0
     recovery_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0
@@ -139,6 +143,10 @@ class JobConfig:
             raise ConfigError(f"--hang-timeout must lie between the poll interval ({self.poll_interval_s}s) and "
                               f"the collective timeout ({self.collective_timeout_s}s), got {hang}s: a survivor "
                               "must not give up on a collective before a hung peer is fenced")
+        if not 0 <= self.spare_wait_s < float("inf"):  # also rejects NaN
+            raise ConfigError(f"--spare-wait must be a number of seconds >= 0, got {self.spare_wait_s}")
+        if self.spare_wait_s and not self.nproc_per_node:
+            raise ConfigError("--spare-wait waits for a spare node to join (`deadpool agent --spare`): give --nnodes")
         if not self.connect_timeout_s > 0:  # also rejects NaN
             raise ConfigError(f"connect timeout must be positive, got {self.connect_timeout_s}")
         for fault in self.faults:
@@ -153,6 +161,12 @@ class JobConfig:
     def nodes(self) -> int:
         """Worker and spare nodes, when the job runs on node agents (0 otherwise)."""
         return (self.workers + self.spares) // self.nproc_per_node if self.nproc_per_node else 0
+
+    @property
+    def plan_wait_s(self) -> float:
+        """How long a process whose generation failed waits for the next plan: a collective's worth, and
+        --spare-wait more, while the coordinator may be waiting for a spare node to join."""
+        return self.collective_timeout_s + self.spare_wait_s
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

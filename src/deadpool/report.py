@@ -100,4 +100,6 @@ def summarize(path: Path, exit_code: int) -> dict[str, Any]:
         "rank_state_sha256": hashes,
         "losses": {str(r): [steps[s] for s in sorted(steps)] for r, steps in sorted(losses.items())},
         "replica_memory_bytes": replica_memory(events),
+        "pool_refills": [{"nodes": e["nodes"], "spares": e["procs"], "restored_step": e["restored_step"],
+                          "took_s": e["took_s"]} for e in events if e["event"] == "pool_refilled"],
     }

@@ -17,6 +17,7 @@ from deadpool.launcher.launch import launch
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "gpt" / "train.py"
+SCRIPTS = Path(__file__).parent / "scripts"  # test scripts: the example wrapped, or scripts with habits
 # A smaller GPT than the demo's, so a 10-step job takes seconds; every behaviour under test is the same.
 SMALL = ("--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--batch-size", "4", "--log-samples")
 

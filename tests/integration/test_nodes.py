@@ -16,7 +16,7 @@ import pytest
 
 from deadpool.config import Fault
 from deadpool.launcher.netns import available
-from tests.integration.conftest import REPO, SMALL, TRAIN, Background, Job, run_job
+from tests.integration.conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, Job, run_job
 
 NODES = dict(workers=4, spares=2, nproc_per_node=2)  # 2 worker nodes of 2 ranks, 1 spare node of 2 spares
 
@@ -85,6 +85,86 @@ def test_a_spare_node_dies_then_a_worker_node_uses_the_other(tmp_path, reference
     first, second = done.summary["recoveries"]
     assert first["replaced"] == {} and "lost with node 2" in first["cause"]
     assert second["replaced"] == {"2": "s2", "3": "s3"}  # spare node 3
+
+
+# ---- the pool over time: spare nodes that join a running job ------------------------------------------------
+
+def _join_as_spare(events: list[dict]) -> subprocess.Popen:
+    """Starts `deadpool agent --spare` against the job's coordinator, as a new machine would."""
+    [start] = [e for e in events if e["event"] == "job_start"]
+    return subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
+                             f"127.0.0.1:{start['port']}", "--spare"], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stopped(agent: subprocess.Popen) -> int | None:
+    try:
+        return agent.wait(30)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(10)
+
+
+def test_a_spare_node_joins_after_the_pool_ran_empty_and_a_later_node_failure_uses_it(tmp_path, reference):
+    """Node 1 dies and spare node 2 takes its ranks: the pool is empty. A new machine joins as spare node 3
+    (`deadpool agent --spare`); the job places its replicas there in a new generation. Then node 0 dies as
+    a whole, and node 3 takes ranks 0 and 1 from its replicas. Steps are slowed (a sleep in each forward
+    pass: same numbers) so that the join fits in the run."""
+    job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.0",),
+                     faults=(Fault(kind="kill_node", rank=2, step=2),))
+    events = job.wait_for(lambda e: e["event"] == "swap_complete")
+    agent = _join_as_spare(events)
+    try:
+        events = job.wait_for(lambda e: e["event"] == "pool_refilled")
+        [joined] = [e for e in events if e["event"] == "nodes_joined"]
+        os.killpg(joined["agent_pids"][0], signal.SIGKILL)  # node 0: its agent and both of its ranks
+        done = job.join()
+    finally:
+        code = _stopped(agent)
+    assert_same_training(done, reference)
+    assert code == 0  # the joined agent ends with the job
+    [spare_node] = done.named("spare_node_joined")
+    assert spare_node["node"] == 3 and spare_node["procs"] == ["s2", "s3"]
+    [refill] = done.summary["pool_refills"]
+    assert refill["nodes"] == [3] and refill["spares"] == ["s2", "s3"]
+    first, second = done.summary["recoveries"]
+    assert first["replaced"] == {"2": "s0", "3": "s1"} and second["replaced"] == {"0": "s2", "1": "s3"}
+    assert {node_of(done, p) for p in ("s2", "s3")} == {3}
+
+
+def test_with_no_spare_left_the_job_waits_for_a_spare_node_and_recovers_with_it(tmp_path, reference):
+    """Two worker nodes and no spare node: node 1 dies, the coordinator waits (--spare-wait) and says how to
+    add a machine; one joins, and its spares take ranks 2 and 3, streamed from the workers that held them."""
+    job = Background(tmp_path, workers=4, spares=0, nproc_per_node=2, spare_wait_s=90.0,
+                     faults=(Fault(kind="kill_node", rank=2, step=4),))
+    events = job.wait_for(lambda e: e["event"] == "spare_awaited")
+    agent = _join_as_spare(events)
+    try:
+        done = job.join()
+    finally:
+        code = _stopped(agent)
+    assert_same_training(done, reference)
+    assert code == 0
+    [awaited] = done.named("spare_awaited")
+    assert awaited["nodes"] == [1] and awaited["ranks"] == [2, 3]
+    [recovery] = done.summary["recoveries"]
+    assert recovery["replaced"] == {"2": "s0", "3": "s1"}
+    assert {e["of_rank"]: e["proc"] for e in done.named("replica_handed_over")} == {2: "w0", 3: "w1"}
+
+
+def test_with_no_spare_left_and_none_joining_the_job_stops_naming_the_node_ranks_and_step(tmp_path):
+    job = run_job(tmp_path, workers=4, spares=0, nproc_per_node=2, spare_wait_s=1.0,
+                  faults=(Fault(kind="kill_node", rank=2, step=4),))
+    assert job.code == 1
+    [stopped] = job.named("no_spare")
+    committed = stopped["committed"]
+    assert committed is not None and 2 <= committed <= 4 and 0.9 < stopped["waited_s"] < 10
+    assert job.summary["error"].startswith(
+        "node 1 (ranks 2, 3) was lost and no spare is left in the pool, and no spare node joined within "
+        f"--spare-wait 1 s. Last committed step: {committed}. To go on from a lost node, start `deadpool agent "
+        f"--coordinator 127.0.0.1:")
+    assert "--spare` on a healthy machine within --spare-wait, or run with more --spare-nodes." in job.summary["error"]
 
 
 def test_coordinator_and_agents_started_apart(tmp_path, reference):

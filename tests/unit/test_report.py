@@ -126,8 +126,16 @@ def test_clean_run(tmp_path):
         "exit_code": 0, "error": None, "swaps": 0, "recoveries": [], "steps_replayed": 0, "final_step": 3,
         "final_loss": 3.25, "final_state_sha256": hashlib.sha256(b"a0b1").hexdigest(),
         "rank_state_sha256": ["a0", "b1"],
-        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {},
+        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {}, "pool_refills": [],
     }
+
+
+def test_pool_refills_name_the_nodes_that_joined(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, [ev("pool_refilled", 3.0, 2, nodes=[3], procs=["s2", "s3"], spares=["s2", "s3"], holders=[],
+                    restored_step=5, took_s=0.75)])
+    assert summarize(path, exit_code=0)["pool_refills"] == [
+        {"nodes": [3], "spares": ["s2", "s3"], "restored_step": 5, "took_s": 0.75}]
 
 
 def test_replica_memory_counts_what_each_holder_holds_under_the_last_plan(tmp_path):

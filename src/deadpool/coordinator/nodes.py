@@ -3,7 +3,8 @@ through the store, one agent per node. No torch here either.
 
 A node is lost when its agent stops beating for `node_timeout_s`, or at once when the agent is a child
 of this process (`deadpool run --nnodes`) and has exited. Every process of a lost node that has not
-reported an exit is then reported as lost with it: a failure, replaced like a crash.
+reported an exit is then reported as lost with it: a failure, replaced like a crash. A spare node may
+join the running job (`deadpool agent --spare`); `joined` reports it, and it is watched from then on.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class RemoteNodes:
         self.store, self.keys, self.nproc, self.node_timeout_s = store, keys, nproc, node_timeout_s
         self.nodes = {n: _Node(n, beat_t=time.monotonic()) for n in nodes}
         self.agents = agents or {}  # node -> its agent, when this process started it
+        self.first_joined = max(nodes, default=-1) + 1  # the number the first node to join a running job takes
         self.where: dict[str, int] = {}
         self.done: dict[str, Exited] = {}
 
@@ -69,6 +71,19 @@ class RemoteNodes:
         self.store.set(self.keys.node_spawn(node, entry.ordered), json.dumps([name, role, rank]))
         self.store.set(self.keys.node_spawned(node), str(entry.ordered))
         return Ordered(name, node)
+
+    def joined(self) -> dict[int, str]:
+        """Spare nodes whose agents joined the running job since the last call: node -> its host. An agent
+        takes its number from the nodes/joined counter before it registers, so each number is checked
+        until its agent registers (one that dies in between leaves a number unused)."""
+        key = self.keys.nodes_joined()
+        count = int(self.store.get(key)) if self.store.check([key]) else 0
+        found = {}
+        for node in range(self.first_joined, self.first_joined + count):
+            if node not in self.nodes and self.store.check([self.keys.node(node)]):
+                self.nodes[node] = _Node(node, beat_t=time.monotonic())
+                found[node] = json.loads(self.store.get(self.keys.node(node)))["host"]
+        return found
 
     def pid(self, name: str) -> int | None:
         key = self.keys.node_pid(name)

@@ -3,14 +3,15 @@
 The coordinator's loop (server.py) gathers the inputs, calls these, applies the decision and logs its
 reason: how a process ended (classify_exit), who replaces whom (plan_after_failures), which step is
 committed (commit_step), whether data-parallel replicas still agree (check_replicas), who is hung
-(hang_verdict, hang_timeout), which step to restore (choose_restore_step); and, for the launcher,
+(hang_verdict, hang_timeout), which step to restore (choose_restore_step), how spares that join enter
+the pool (plan_after_join) and whether to wait for one (wait_for_spare); and, for the launcher,
 which GPU each process gets (place_devices).
 """
 
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Mapping, TypeVar
 
 from deadpool.coordinator.protocol import Plan
@@ -79,8 +80,9 @@ def place_replicas(ranks: tuple[str, ...], spares: tuple[str, ...], replicas: in
     """Who holds each rank's snapshots: `replicas` processes, none on the rank's own node (a node
     failure takes all of its processes at once). Spares first, since they have nothing else to do; peer
     workers when spares run short (the pool ran empty), paying host memory and some of their cores.
-    Within each kind, rank r starts from the r-th candidate, so the load spreads evenly (rank r -> spare
-    r mod S), and holders on nodes not used yet come before a second one on the same node.
+    Within each kind, rank r starts from the r-th candidate off its node, so the load spreads evenly
+    (rank r -> spare r mod S; two ranks of a lost node go to two different peers), and holders on nodes
+    not used yet come before a second one on the same node.
 
     `nodes` maps a process to its node; a process not in it is a machine of its own (one host)."""
     def node(proc: str) -> object:
@@ -91,7 +93,7 @@ def place_replicas(ranks: tuple[str, ...], spares: tuple[str, ...], replicas: in
 
     holders, short = [], []
     for r, owner in enumerate(ranks):
-        peers = [p for p in rotate(ranks, r + 1) if p != owner]
+        peers = rotate(tuple(p for p in ranks if node(p) != node(owner)), r)
         chosen: list[str] = []
         for kind in (rotate(spares, r), peers):
             for distinct in (True, False):
@@ -196,8 +198,89 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
     assert holders is not None
     new = Plan(generation=generation + rebuild, ranks=tuple(ranks), holders=holders,
                spares=tuple(pool), reason=reason, replicate=steady.replicate, sources=tuple(sources) if dead else (),
-               replicas=steady.replicas, nodes=steady.nodes)
+               replicas=steady.replicas, nodes=steady.nodes, fresh=fresh_holders(steady, holders))
     return Decision(new, reason)
+
+
+def fresh_holders(steady: Plan, holders: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
+    """Per rank, its holders in `holders` that did not hold it under `steady`: they hold nothing of it
+    yet. The old holders drop their copies once the new generation runs, so the restored snapshot must
+    reach these first (Plan.fresh)."""
+    fresh = tuple(tuple(h for h in new if h not in old) for new, old in zip(holders, steady.holders))
+    return fresh if any(fresh) else ()
+
+
+# ---- the pool over time --------------------------------------------------------------------
+
+def node_spares(node: int, workers: int, nproc_per_node: int) -> dict[str, int]:
+    """The spares of spare node `node`, named as node_map names them (spare i runs on node workers / R +
+    i // R), each with the placeholder rank it starts as (world size + i: RemoteNodes runs rank r on node
+    r // R). A node that joins a running job gets the next number, hence the next names."""
+    first = (node - workers // nproc_per_node) * nproc_per_node
+    return {f"s{i}": workers + i for i in range(first, first + nproc_per_node)}
+
+
+def extend_pool(plan: Plan, new_spares: Mapping[str, int]) -> Plan:
+    """`plan` with spares that hold nothing yet (process -> node) at the end of its pool: what failures
+    are planned from while they join (its holders are still the ones that hold replicas)."""
+    return replace(plan, spares=(*plan.spares, *new_spares), nodes={**plan.nodes, **new_spares})
+
+
+def plan_after_join(steady: Plan, generation: int, new_spares: Mapping[str, int]) -> Decision[Plan]:
+    """The next plan once the spares of nodes that joined the running job have started (`new_spares`:
+    process -> node): the same ranks, the pool extended. Holders are fixed for a generation, so placing
+    replicas on the newcomers takes a new one, in which everyone restores the last commit, as after a
+    lost holder. With snapshots off nobody holds anything: the pool grows in place, in the same one."""
+    if not new_spares:
+        return Decision(None, "no spare joined")
+    pool = extend_pool(steady, new_spares)
+    nodes = sorted(set(new_spares.values()))
+    joined = (f"spare node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))} joined "
+              f"({', '.join(new_spares)}); {len(pool.spares)} spare(s) in the pool")
+    if not steady.replicate:
+        return Decision(replace(pool, sources=(), reason=joined), f"{joined}; snapshots are off, nothing to place")
+    holders = place_replicas(pool.ranks, pool.spares, steady.replicas, pool.nodes)
+    assert holders.value is not None  # placement always answers; `reason` says when holders run short
+    reason = f"{joined}; replicas placed anew: {holders.reason}"
+    return Decision(replace(pool, generation=generation + 1, holders=holders.value, sources=(), reason=reason,
+                            fresh=fresh_holders(steady, holders.value)), reason)
+
+
+def lost_by_node(steady: Plan, lost: frozenset[str]) -> dict[int | None, list[int]]:
+    """The lost ranks of `steady`, grouped by node (None: no nodes, one machine)."""
+    found: dict[int | None, list[int]] = {}
+    for rank, proc in enumerate(steady.ranks):
+        if proc in lost:
+            found.setdefault(steady.nodes.get(proc), []).append(rank)
+    return found
+
+
+SPARE_AWAITED, NO_SPARE = "spare_awaited", "no_spare"
+
+
+def wait_for_spare(steady: Plan, lost: frozenset[str], waited_s: float, spare_wait_s: float) -> Decision[str]:
+    """When lost ranks outnumber the live spares: wait for a spare node to join (SPARE_AWAITED) for up to
+    --spare-wait, or stop (NO_SPARE); the reason names the lost ranks by node. None when waiting is not
+    the question: the pool suffices, or a lost rank has no live holder of its replica, which a newcomer,
+    holding nothing, could not restore (stop at once, with plan_after_failures' reason)."""
+    dead = [r for r, p in enumerate(steady.ranks) if p in lost]
+    orphans = [r for r in dead if not any(h not in lost for h in steady.holders[r])]
+    if orphans:
+        return Decision(None, f"ranks {orphans} have no live holder of their replica: a spare that joins could "
+                              "not restore them")
+    pool = [s for s in steady.spares if s not in lost]
+    if len(dead) <= len(pool):
+        return Decision(None, "the pool has a spare for every lost rank")
+    groups = [f"{'node ' + str(node) if node is not None else 'this machine'} "
+              f"(rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+              for node, ranks in lost_by_node(steady, lost).items()]
+    left = f"only {len(pool)} spare(s) are" if pool else "no spare is"
+    short = f"{' and '.join(groups)} {'were' if len(groups) > 1 else 'was'} lost and {left} left in the pool"
+    if spare_wait_s <= 0:
+        return Decision(NO_SPARE, f"{short} (--spare-wait 0: no spare node is awaited)")
+    if waited_s >= spare_wait_s:
+        return Decision(NO_SPARE, f"{short}, and no spare node joined within --spare-wait {spare_wait_s:g} s")
+    return Decision(SPARE_AWAITED, f"{short}: waiting up to {spare_wait_s - waited_s:.1f} s for a spare node to join")
 
 
 # ---- commits -------------------------------------------------------------------------------

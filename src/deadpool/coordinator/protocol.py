@@ -54,6 +54,7 @@ class Plan:
     sources: tuple[str | None, ...] = ()   # rank -> process that streams its replica to the new owner, or None
     replicas: int = 1                      # holders wanted per rank (--replicas)
     nodes: dict[str, int] = field(default_factory=dict)  # process -> its node; none: each is its own machine
+    fresh: tuple[tuple[str, ...], ...] = ()  # rank -> its holders placed anew: they get the restored snapshot
 
     @property
     def world_size(self) -> int:
@@ -69,6 +70,11 @@ class Plan:
     def source_of(self, rank: int) -> str | None:
         return self.sources[rank] if rank < len(self.sources) else None
 
+    def fresh_for(self, rank: int) -> tuple[str, ...]:
+        """Holders of `rank` that do not hold its restored snapshot yet: the rank sends it to them before
+        this generation runs, or a failure right after the recovery would find no copy of it."""
+        return self.fresh[rank] if rank < len(self.fresh) else ()
+
     def sends_from(self, proc: str) -> list[int]:
         """The ranks whose replicas `proc` must stream to their new owners while this generation recovers."""
         return [rank for rank, source in enumerate(self.sources) if source == proc]
@@ -82,7 +88,8 @@ class Plan:
         return cls(generation=raw["generation"], ranks=tuple(raw["ranks"]),
                    holders=tuple(tuple(h) for h in raw["holders"]), spares=tuple(raw["spares"]),
                    reason=raw["reason"], replicate=raw["replicate"], sources=tuple(raw.get("sources", ())),
-                   replicas=raw.get("replicas", 1), nodes=raw.get("nodes", {}))
+                   replicas=raw.get("replicas", 1), nodes=raw.get("nodes", {}),
+                   fresh=tuple(tuple(h) for h in raw.get("fresh", ())))
 
 
 class Keys:
@@ -130,6 +137,11 @@ class Keys:
     # node agents (launcher/node.py, coordinator/nodes.py)
     def node(self, node: int) -> str:
         return self._k(f"node/{node}")
+
+    def nodes_joined(self) -> str:
+        """A counter: each agent that joins a running job as a spare node (`--spare`) adds one and takes the
+        next node number after the job's own nodes."""
+        return self._k("nodes/joined")
 
     def node_beat(self, node: int) -> str:
         return self._k(f"node/{node}/beat")

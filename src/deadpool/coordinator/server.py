@@ -5,9 +5,13 @@
     AWAIT_READY --every rank reported its intact steps: policy.choose_restore_step--> AWAIT_RESUMED
     AWAIT_RESUMED --every rank agreed and rejoined--> STEADY
     any recovery phase --another failure--> SETTLING (the new set is planned from the last steady plan)
+    SETTLING --no spare left, a spare node awaited (policy.wait_for_spare)--> AWAIT_SPARE
+    AWAIT_SPARE --a spare node's spares started, or --spare-wait is over--> decided again, as from SETTLING
+    STEADY --a spare node's spares started: policy.plan_after_join, publish g+1--> AWAIT_READY
 
 In STEADY the loop also checks that data-parallel replicas agree (policy.check_replicas), commits snapshots
-(policy.commit_step) and looks for hangs (policy.hang_verdict).
+(policy.commit_step), looks for hangs (policy.hang_verdict) and admits spare nodes that joined the running
+job (a join in any other phase waits in the store until then).
 A script error ends the job at once without a swap; a deadline missed, or a decision with no answer,
 ends it with the earliest failure as its root cause. This module never imports torch: the store it is
 given is any object with the TCPStore methods it calls.
@@ -26,7 +30,9 @@ from deadpool.config import JobConfig
 from deadpool.coordinator.policy import (
     DIVERGENCE_CAUSES,
     FINISHED,
+    NO_SPARE,
     SCRIPT_ERROR,
+    SPARE_AWAITED,
     Divergence,
     Durable,
     Pulse,
@@ -35,11 +41,16 @@ from deadpool.coordinator.policy import (
     choose_restore_step,
     classify_exit,
     commit_step,
+    extend_pool,
     hang_timeout,
     hang_verdict,
     initial_plan,
+    lost_by_node,
     node_map,
+    node_spares,
     plan_after_failures,
+    plan_after_join,
+    wait_for_spare,
 )
 from deadpool.coordinator.protocol import Keys, Plan
 from deadpool.events import EventLog
@@ -63,6 +74,7 @@ class Processes(Protocol):
     def alive(self) -> set[str]: ...
     def relabel(self, name: str, label: str) -> None: ...
     def stop_all(self, grace_s: float) -> None: ...
+    def joined(self) -> dict[int, str]: ...
 
 
 class Phase(enum.Enum):
@@ -70,6 +82,7 @@ class Phase(enum.Enum):
     SETTLING = "settling"
     AWAIT_READY = "await_ready"
     AWAIT_RESUMED = "await_resumed"
+    AWAIT_SPARE = "await_spare"
 
 
 @dataclass
@@ -80,6 +93,24 @@ class _Swap:
     cause: str
     failed: list[dict[str, Any]] = field(default_factory=list)  # one entry per lost process
     hang: dict[str, Any] | None = None                         # the verdict, when a hang started it
+
+
+@dataclass
+class _Joining:
+    """A spare node that joined the running job, while its spares start."""
+
+    host: str
+    procs: dict[str, int]  # its spares -> their placeholder ranks
+    deadline: float        # by when they must have started (--connect-timeout)
+
+
+@dataclass
+class _Refill:
+    """Spare nodes entering the pool, from their spares' start to the generation that places replicas on them."""
+
+    t: float
+    nodes: list[int]
+    procs: list[str]
 
 
 @dataclass
@@ -118,6 +149,9 @@ class Coordinator:
         self.root_cause: str | None = None
         self.live: dict[str, _Liveness] = {}
         self.announced = 0.0  # the hang timeout last written to the events
+        self.joining: dict[int, _Joining] = {}  # spare nodes that joined, whose spares are starting
+        self.refill: _Refill | None = None      # spares entering the pool in the generation being published
+        self.awaiting_since: float | None = None  # when the coordinator began to wait for a spare node
 
     def run(self) -> int:
         """Starts the job and returns its exit code."""
@@ -153,6 +187,10 @@ class Coordinator:
                                 script_error=script_error and script_error["error"],
                                 lost_with_node=getattr(child, "lost_with_node", None))
         rank = self.plan.rank_of(name)
+        joining = next((node for node, j in self.joining.items() if name in j.procs), None)
+        if joining is not None:  # before it entered the pool: the pool stays as it is
+            self._drop_joining(joining, f"{name} {verdict.reason}")
+            return None
         if verdict.value == FINISHED:
             if rank is not None:
                 self.finished.add(name)
@@ -179,7 +217,11 @@ class Coordinator:
         if self.phase is Phase.STEADY:
             outcome = self._commit()
             self._look_for_hangs()
+            if outcome is None and self.swap is None and not self.finished:
+                self._refill(self._admit())
             return outcome
+        if self.phase is Phase.AWAIT_SPARE:
+            return self._await_spare()
         if self.phase is Phase.SETTLING:
             return self._decide() if time.monotonic() >= self.deadline else None
         gen, world = self.plan.generation, range(self.plan.world_size)
@@ -295,11 +337,18 @@ class Coordinator:
                               f"Last committed step: {self.committed}.")
         decision = plan_after_failures(self.steady, self.plan.generation, frozenset(self.lost))
         if not decision.ok or decision.value is None:
+            waited = 0.0 if self.awaiting_since is None else time.monotonic() - self.awaiting_since
+            wait = wait_for_spare(self.steady, frozenset(self.lost), waited, self.config.spare_wait_s)
+            if wait.value == SPARE_AWAITED:
+                self._begin_spare_wait(wait.reason)
+                return None
+            if wait.value == NO_SPARE and self.config.nproc_per_node:
+                return self._no_spare(wait.reason, waited)
             lost = "; ".join(f"{f['who']} {f['exit']}" for f in self.swap.failed) if self.swap else ""
             pool_empty = all(s in self.lost for s in self.steady.spares)
             advice = " Add spares (--spares) to survive more failures." if pool_empty else ""
             return self._fail(f"{lost}: {decision.reason}. Last committed step: {self.committed}.{advice}")
-        plan = decision.value
+        plan, self.awaiting_since = decision.value, None
         if plan.generation == self.plan.generation:  # a lost spare that held nothing: nobody rolls back
             self.steady = self.plan = plan
             self.swap, self.root_cause, self.lost = None, None, set()
@@ -325,8 +374,22 @@ class Coordinator:
         return None
 
     def _complete(self) -> None:
-        swap, self.swap = self.swap, None
-        assert swap is not None
+        swap, refill, self.swap, self.refill = self.swap, self.refill, None, None
+        assert swap is not None or refill is not None
+        if swap is not None:
+            self._swapped(swap)
+        if refill is not None:
+            took = time.monotonic() - refill.t
+            self.events.emit("pool_refilled", nodes=refill.nodes, procs=refill.procs, spares=list(self.plan.spares),
+                             holders=[list(h) for h in self.plan.holders], restored_step=self.committed, took_s=took)
+            self._say(f"generation {self.plan.generation} running: spare node(s) {refill.nodes} joined the pool "
+                      f"({', '.join(refill.procs)}); idle spares now: {', '.join(self.plan.spares) or 'none'}")
+        self.steady, self.lost, self.live = self.plan, set(), {}
+        self.store.set(self.keys.running(self.plan.generation), "1")
+        self.phase, self.deadline = Phase.STEADY, float("inf")
+        self.root_cause = None  # recovered: a later failure is its own root cause
+
+    def _swapped(self, swap: _Swap) -> None:
         gen, target = self.plan.generation, self.committed
         replaced = {r: p for r, p in enumerate(self.plan.ranks) if p != self.steady.ranks[r]}
         took = time.monotonic() - swap.detected_t
@@ -336,10 +399,94 @@ class Coordinator:
         self._say(f"generation {gen} running: restored step {target}; "
                   + ", ".join(f"{s} is now rank {r}" for r, s in replaced.items())
                   + f" ({took:.2f} s after detection)")
-        self.steady, self.lost, self.live = self.plan, set(), {}
-        self.store.set(self.keys.running(gen), "1")
-        self.phase, self.deadline = Phase.STEADY, float("inf")
-        self.root_cause = None  # recovered: a later failure is its own root cause
+
+    # ---- the pool over time -----------------------------------------------------------------
+
+    def _admit(self) -> dict[str, int]:
+        """Orders the spares of spare nodes that joined the running job; returns those (process -> node) of
+        the nodes whose spares have all started, which may now enter the pool."""
+        now = time.monotonic()
+        for node, host in self.agent.joined().items():
+            procs = node_spares(node, self.config.workers, self.config.nproc_per_node)
+            self.joining[node] = _Joining(host, procs, now + self.config.connect_timeout_s)
+            self.events.emit("spare_node_joined", node=node, host=host, procs=list(procs))
+            self._say(f"spare node {node} ({host}) joined the job; starting {', '.join(procs)}")
+            for name, rank in procs.items():
+                self.store.set(self.keys.heartbeat(name), "")
+                child = self.agent.spawn(name, "spare", rank)
+                self.events.emit("process_spawned", proc=name, pid=child.pid, role="spare", rank=None, node=node)
+        ready: dict[str, int] = {}
+        for node, joining in list(self.joining.items()):
+            if self.store.check([self.keys.started(name) for name in joining.procs]):
+                ready.update(dict.fromkeys(joining.procs, node))
+                del self.joining[node]
+            elif now > joining.deadline:
+                self._drop_joining(node, f"its spares did not start within {self.config.connect_timeout_s:g} s")
+        return ready
+
+    def _drop_joining(self, node: int, why: str) -> None:
+        """A spare node that joined but cannot enter the pool: its other spares are fenced."""
+        joining = self.joining.pop(node)
+        for name in joining.procs:
+            self.agent.fence(name)
+        self.events.emit("spare_node_dropped", node=node, procs=list(joining.procs), reason=why)
+        self._say(f"spare node {node} ({joining.host}) does not enter the pool: {why}")
+
+    def _refill(self, new: dict[str, int]) -> None:
+        """Spares that started on nodes that joined enter the pool; placing replicas on them takes a new
+        generation (everyone restores the last commit), published as after a lost holder."""
+        if not new:
+            return
+        decision = plan_after_join(self.steady, self.plan.generation, new)
+        assert decision.value is not None  # there are new spares: there is a plan
+        self.steady = extend_pool(self.steady, new)  # a failure during the new generation's recovery may use them
+        nodes = sorted(set(new.values()))
+        if decision.value.generation == self.plan.generation:  # nothing to place (snapshots off): nobody rolls back
+            self.steady = self.plan = decision.value
+            self.events.emit("pool_refilled", nodes=nodes, procs=list(new), spares=list(self.plan.spares),
+                             holders=[list(h) for h in self.plan.holders], restored_step=None, took_s=0.0)
+            return
+        self.refill = _Refill(time.monotonic(), nodes, list(new))
+        self._publish(decision.value)
+        self.phase, self.deadline = Phase.AWAIT_READY, time.monotonic() + self.config.recovery_timeout_s
+
+    def _await_spare(self) -> int | None:
+        """No spare is left for a lost rank: spare nodes that join are admitted at once, and the failures are
+        decided again as soon as their spares have started, or when --spare-wait is over."""
+        new = self._admit()
+        if new:
+            self.steady = extend_pool(self.steady, new)
+            self.refill = _Refill(time.monotonic(), sorted(set(new.values())), list(new))
+            return self._decide()
+        return self._decide() if time.monotonic() >= self.deadline else None
+
+    def _begin_spare_wait(self, reason: str) -> None:
+        """Says once what is awaited and how to provide it; the deadline runs from the first failure it
+        could not place."""
+        if self.awaiting_since is None:
+            self.awaiting_since = time.monotonic()
+            by_node = lost_by_node(self.steady, frozenset(self.lost))
+            self.events.emit("spare_awaited", nodes=list(by_node), ranks=sorted(r for g in by_node.values() for r in g),
+                             committed=self.committed, spare_wait_s=self.config.spare_wait_s, reason=reason)
+            self._say(f"{reason}: start `deadpool agent --coordinator {self._address()} --spare` on a healthy "
+                      "machine")
+        self.phase, self.deadline = Phase.AWAIT_SPARE, self.awaiting_since + self.config.spare_wait_s
+
+    def _no_spare(self, reason: str, waited_s: float) -> int:
+        """A lost rank has no spare to go to and none came: the job stops, naming what was lost and what
+        would have kept it going."""
+        by_node = lost_by_node(self.steady, frozenset(self.lost))
+        self.events.emit("no_spare", nodes=list(by_node), ranks=sorted(r for g in by_node.values() for r in g),
+                         committed=self.committed, waited_s=waited_s, spare_wait_s=self.config.spare_wait_s,
+                         reason=reason)
+        join = f"`deadpool agent --coordinator {self._address()} --spare`"
+        advice = (f"start {join} on a healthy machine within --spare-wait" if self.config.spare_wait_s else
+                  f"pass --spare-wait SECONDS and start {join} on a healthy machine when a node is lost")
+        return self._fail(f"{reason}. Last committed step: {self.committed}. To go on from a lost node, {advice}, "
+                          "or run with more --spare-nodes.")
+
+    def _address(self) -> str:
+        return f"{self.config.store_host}:{self.config.store_port}"
 
     # ---- effects ----------------------------------------------------------------------------
 

@@ -105,6 +105,10 @@ class Agent:
                 exited.append(child)
         return exited
 
+    def joined(self) -> dict[int, str]:
+        """On one machine no node can join."""
+        return {}
+
     def relabel(self, name: str, label: str) -> None:
         """Changes the prefix of a process's output lines (a spare that took a rank: "s0=r2")."""
         if name in self.children:

@@ -37,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="the agent of one node: runs its processes for a coordinator")
     agent.add_argument("--coordinator", required=True, metavar="HOST:PORT",
                        help="the coordinator's store (its --master-addr and --master-port)")
-    agent.add_argument("--node-rank", type=int, required=True, help="this node's number: 0, 1, ... (torchrun's)")
+    which = agent.add_mutually_exclusive_group(required=True)
+    which.add_argument("--node-rank", type=int, help="this node's number: 0, 1, ... (torchrun's)")
+    which.add_argument("--spare", action="store_true",
+                       help="join the running job as a new spare node (the coordinator numbers it); its spares "
+                            "refill the pool")
     agent.add_argument("--out", type=Path, default=None, help="run directory on this node (default: the job's)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="s to wait for the coordinator")
 
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "agent":
             from deadpool.launcher.node import agent_main
 
-            return agent_main(args.coordinator, args.node_rank, args.out, args.connect_timeout)
+            return agent_main(args.coordinator, None if args.spare else args.node_rank, args.out, args.connect_timeout)
         if args.command == "simulate":
             return sim_cli.main(args)
         if args.command == "demo":

@@ -6,6 +6,8 @@ agent can run on any host that reaches it (`deadpool agent --coordinator HOST:PO
     agent                                         coordinator (coordinator/nodes.py)
     node/{n} = {host, pid}                  -->   waits until every node joined; nodes 0..M-1 work, the rest
                                                   are spares (rank r runs on node r // nproc-per-node)
+    (--spare: n = job's nodes + add(nodes/joined, 1) - 1, then node/{n} as above: a spare node joins the
+     running job; the coordinator starts its spares and, once they started, adds them to the pool)
     node/{n}/beat = counter (every 0.1 s)   -->   a beat that stops for --node-timeout: the node is lost
                                             <--   node/{n}/spawn/{k} = [name, role, rank]; node/{n}/spawned = k
     starts each process (logs/{name}.log)
@@ -64,10 +66,11 @@ def connect_to_coordinator(address: str, timeout_s: float) -> dist.TCPStore:
 class NodeAgent:
     """The agent of node `node`: registers, then runs the processes the coordinator assigns it."""
 
-    def __init__(self, store: dist.TCPStore, beat_store: dist.TCPStore, node: int, run_dir: Path | None = None) -> None:
+    def __init__(self, store: dist.TCPStore, beat_store: dist.TCPStore, node: int, run_dir: Path | None = None,
+                 joining: bool = False) -> None:
         self.store, self.beat_store, self.node = store, beat_store, node
         config = JobConfig.from_json(store.get(CONFIG_KEY).decode())
-        if not 0 <= node < config.nodes:
+        if not joining and not 0 <= node < config.nodes:
             raise ConfigError(f"--node-rank {node}: this job has nodes 0..{config.nodes - 1}")
         config = replace(config, gpus_per_node=count_gpus(config))  # this node's own GPUs
         devices = place_devices(config.nproc_per_node, 0, config.gpus_per_node or 0)
@@ -88,7 +91,8 @@ class NodeAgent:
         coordinator has replaced them by then."""
         keys, store = self.keys, self.store
         if store.check([keys.node(self.node)]):
-            raise ConfigError(f"node {self.node} has already joined this job: give each agent its own --node-rank")
+            raise ConfigError(f"node {self.node} has already joined this job: give each agent its own --node-rank "
+                              "(a machine that stands in for a lost node joins with --spare)")
         store.set(keys.node(self.node), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         threading.Thread(target=self._beat, name="deadpool-node-beat", daemon=True).start()
         try:
@@ -135,13 +139,21 @@ class NodeAgent:
                            json.dumps({"code": child.returncode, "pid": child.pid}))
 
 
-def agent_main(address: str, node: int, run_dir: Path | None, timeout_s: float) -> int:
-    """`deadpool agent`: joins the job of the coordinator at `address` as node `node`, until it ends."""
+def agent_main(address: str, node: int | None, run_dir: Path | None, timeout_s: float) -> int:
+    """`deadpool agent`: joins the job of the coordinator at `address` as node `node`, until it ends; with
+    node None (--spare), as a spare node of the running job, under the next node number."""
     store = connect_to_coordinator(address, timeout_s)
     deadline = time.monotonic() + timeout_s
     while not store.check([CONFIG_KEY]):  # the coordinator publishes the job once it is listening
         if time.monotonic() > deadline:
             raise ConfigError(f"the coordinator at {address} published no job within {timeout_s:g} s")
         time.sleep(0.05)
-    print(f"[n{node}] agent of node {node} joined the coordinator at {address}", file=sys.stderr, flush=True)
-    return NodeAgent(store, connect_to_coordinator(address, timeout_s), node, run_dir).run()
+    joining = node is None
+    if node is None:
+        job = JobConfig.from_json(store.get(CONFIG_KEY).decode())
+        if not job.nproc_per_node:
+            raise ConfigError(f"the job at {address} runs without nodes (no --nnodes), so no spare node can join it")
+        node = job.nodes + store.add(Keys(job.token).nodes_joined(), 1) - 1  # atomic: no two take one number
+    what = "spare node" if joining else "node"
+    print(f"[n{node}] agent of {what} {node} joined the coordinator at {address}", file=sys.stderr, flush=True)
+    return NodeAgent(store, connect_to_coordinator(address, timeout_s), node, run_dir, joining).run()

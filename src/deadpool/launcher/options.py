@@ -52,6 +52,9 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                    help="run each node in a network namespace of its own, with its own address (root)")
     p.add_argument("--node-timeout", type=float, default=5.0,
                    help="s an agent may stay silent before its node counts as lost (its ranks are replaced)")
+    p.add_argument("--spare-wait", type=float, default=0.0,
+                   help="s to wait, when a rank fails and no spare is left, for a spare node to join "
+                        "(`deadpool agent --coordinator HOST:PORT --spare`) before the job stops (default 0)")
     p.add_argument("--snapshot-every", type=snapshot_every, default=1, help="K steps, 0 = off, or auto")
     p.add_argument("--snapshot-budget", type=float, default=0.01, help="auto: snapshot cost / step time")
     p.add_argument("--replicas", type=int, default=1,
@@ -100,7 +103,8 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
         nproc = args.workers
         workers, spares = (args.nnodes or 1) * nproc, args.spare_nodes * nproc
     fields = dict(script=script, script_args=tuple(script_args), workers=workers, spares=spares,
-                  nproc_per_node=nproc, node_timeout_s=args.node_timeout, netns=args.netns,
+                  nproc_per_node=nproc, node_timeout_s=args.node_timeout, spare_wait_s=args.spare_wait,
+                  netns=args.netns,
                   run_dir=str(run_dir), store_host=host, store_port=port,
                   backend=args.backend, gpus_per_node=args.gpus_per_node, deterministic=args.deterministic,
                   snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,

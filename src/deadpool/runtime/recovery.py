@@ -75,7 +75,7 @@ class Recovery:
         self.state = State.AWAIT_PLAN if inc is None else State.TRANSFER
         self.inc = inc
         self.gen = failed_gen if inc is None else inc.generation
-        self.deadline = time.monotonic() + ctx.config.collective_timeout_s
+        self.deadline = time.monotonic() + ctx.config.plan_wait_s
         self.target = -1
         self.started = time.monotonic()
         self.marks: dict[str, float] = {}
@@ -156,7 +156,7 @@ class Recovery:
 
     def _again(self) -> None:
         """Generation self.gen failed too: wait for the one after it."""
-        self.deadline = time.monotonic() + self.ctx.config.collective_timeout_s
+        self.deadline = time.monotonic() + self.ctx.config.plan_wait_s
         self.state = State.AWAIT_PLAN
 
 

@@ -507,15 +507,20 @@ class Session:
         self._enter()
 
     def resume(self, step: int) -> None:
-        """Checks that every rank restored the same state, then restarts snapshots; the next step is
-        snapshotted whatever the interval, so the replicas are compared right after a recovery."""
+        """Checks that every rank restored the same state, then restarts snapshots, first sending the
+        restored one to holders placed anew; the next step is snapshotted whatever the interval, so the
+        replicas are compared right after a recovery."""
         assert self.watch is not None
         self._attach(sync=False)
         self._agree(step)
-        self.ctx.store.set(self.inc.resumed_key(), str(step))
-        self.engine.start(self.inc, self.watch)
         self.held.keep_only(self.inc.plan.held_by(self.ctx.proc))
-        self._hold()
+        self._hold()  # before sending: two peers may each hold the other's replica
+        self.engine.start(self.inc, self.watch)
+        fresh = self.inc.plan.fresh_for(self.rank)
+        if fresh:
+            with self.progress.waiting_for("resend"):
+                self.engine.resend(step, fresh)
+        self.ctx.store.set(self.inc.resumed_key(), str(step))
         self._check_next = True
 
     def _agree(self, target: int) -> None:

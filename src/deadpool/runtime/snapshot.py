@@ -47,6 +47,14 @@ class _Job:
     ready: torch.cuda.Event | None  # on GPU: marks the training stream's position at capture
 
 
+@dataclass
+class _Resend:
+    """The restored snapshot `step`, for holders placed anew in a recovery (Plan.fresh)."""
+
+    step: int
+    holders: tuple[str, ...]
+
+
 def read_committed(store: dist.Store, key: str) -> tuple[int | None, list[int]]:
     """The coordinator's commit record of one generation: (newest committed step, abandoned steps)."""
     record = json.loads(store.get(key))
@@ -88,6 +96,22 @@ class SnapshotEngine:
         self._run.copied.clear()
         self._run.queued(+1)
         self._run.jobs.put(_Job(step, flat, Layout.of(flat.tensors, lead=flat.stable), ready))
+
+    def resend(self, step: int, holders: tuple[str, ...]) -> None:
+        """After a recovery: sends the restored snapshot `step` to `holders`, which were placed anew and
+        hold nothing of this rank, and waits until they hold it. The previous holders drop their copies
+        once the generation runs, so until then a second failure would find no copy of this rank."""
+        run = self._run
+        assert run is not None
+        run.queued(+1)
+        run.jobs.put(_Resend(step, holders))
+        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
+        while not run.idle.wait(0.01):
+            run.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise SwapAborted(f"the restored snapshot {step} did not reach {', '.join(holders)} before the "
+                                  "collective timeout")
+        run.raise_if_failed()
 
     def wait_copied(self) -> float:
         """Blocks until the last capture is in its slot: the only wait training ever pays."""
@@ -178,7 +202,7 @@ class _Run:
         self.idle.set()
         self._pending = 0
         self._pending_lock = threading.Lock()
-        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
+        self.jobs: queue.Queue[_Job | _Resend | None] = queue.Queue(maxsize=1)
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.writing: Slot | None = None
@@ -217,7 +241,10 @@ class _Run:
                     job = self.jobs.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if job is not None:  # None: the wake-up stop() sends
+                if isinstance(job, _Resend):
+                    self._resend(job, store, senders)
+                    self.queued(-1)
+                elif job is not None:  # None: the wake-up stop() sends
                     self._snapshot(job, store, senders)
                     self.queued(-1)
         except InterruptedError:
@@ -259,6 +286,14 @@ class _Run:
                              copy_s=copied - reserved, pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
+    def _resend(self, job: _Resend, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
+        slot = self.engine.slot_for(job.step)
+        for holder in job.holders:
+            self._replicate(slot, holder, store, senders)
+        self.durable.add(job.step)
+        self._report(store)
+        self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders))
+
     def _reserve(self, job: _Job, store: dist.Store) -> Slot | None:
         """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""
         skip = self.ctx.config.backlog_policy == "skip"
@@ -288,7 +323,8 @@ class _Run:
         held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
         report: dict[str, object] = {"steps": held, "skipped": self.skipped}
         if self.engine.replicated:
-            self.fingerprints = {step: self.fingerprints[step] for step in held}
+            # a resent snapshot has none: it was compared when it was taken
+            self.fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
             report["fingerprints"] = {str(step): crc for step, crc in self.fingerprints.items()}
         store.set(self.inc.durable_key(), json.dumps(report))
 

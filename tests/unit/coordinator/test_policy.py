@@ -8,7 +8,9 @@ from deadpool.coordinator.policy import (
     HANG_FLOOR_S,
     HANG_STEP_MULTIPLE,
     HANG_UNTIMED_S,
+    NO_SPARE,
     SCRIPT_ERROR,
+    SPARE_AWAITED,
     Decision,
     Divergence,
     Durable,
@@ -24,8 +26,11 @@ from deadpool.coordinator.policy import (
     hang_verdict,
     initial_plan,
     node_map,
+    node_spares,
     place_replicas,
     plan_after_failures,
+    plan_after_join,
+    wait_for_spare,
 )
 from deadpool.coordinator.protocol import Plan
 
@@ -78,8 +83,9 @@ def test_place_replicas_two_copies_on_two_spare_nodes_before_a_second_on_one():
 
 def test_place_replicas_fills_up_with_peer_workers_on_other_nodes_when_spares_run_short():
     holders = place_replicas(("w0", "w1", "w2", "w3"), ("s0",), 2, NODES).value
-    assert holders == (("s0", "w2"), ("s0", "w2"), ("s0", "w0"), ("s0", "w0"))
-    assert place_replicas(("w0", "w1", "w2", "w3"), (), 1, NODES).value == (("w2",), ("w2",), ("w0",), ("w0",))
+    assert holders == (("s0", "w2"), ("s0", "w3"), ("s0", "w0"), ("s0", "w1"))
+    # each peer holds one rank: a lost node's two ranks stream from two peers, not both from one
+    assert place_replicas(("w0", "w1", "w2", "w3"), (), 1, NODES).value == (("w2",), ("w3",), ("w0",), ("w1",))
 
 
 def test_place_replicas_never_on_the_own_node_and_says_when_short():
@@ -107,7 +113,8 @@ def test_worker_failure_is_taken_over_by_its_holder():
     assert decision == Decision(Plan(
         generation=1, ranks=("w0", "s1", "w2", "w3"),
         holders=(("s0",), ("s2",), ("s0",), ("s2",)),  # re-placed round robin on the remaining pool
-        spares=("s0", "s2"), reason=reason, sources=(None, None, None, None)), reason)
+        spares=("s0", "s2"), reason=reason, sources=(None, None, None, None),
+        fresh=((), ("s2",), ("s0",), ("s2",))), reason)  # its new holders get the restored snapshot first
 
 
 def test_last_spare_takes_over_and_leaves_no_holders():
@@ -115,14 +122,16 @@ def test_last_spare_takes_over_and_leaves_no_holders():
     decision = plan_after_failures(plan, 0, frozenset({"w0"}))
     reason = "w0 (rank 0) failed; s0 takes rank 0"
     assert decision == Decision(Plan(generation=1, ranks=("s0", "w1"), holders=(("w1",), ("s0",)), spares=(),
-                                     reason=reason, sources=(None, None)), reason)  # the ranks hold each other's
+                                     reason=reason, sources=(None, None), fresh=(("w1",), ())),
+                                reason)  # the ranks hold each other's; s0 still holds rank 1's replica
 
 
 def test_generation_counts_on_from_the_newest_published():
     plan = Plan(generation=5, ranks=("w0", "s0"), holders=(("s1",), ("s1",)), spares=("s1",))
     decision = plan_after_failures(plan, 5, frozenset({"s0"}))  # s0 is rank 1 now: a worker failure
     assert decision.value == Plan(generation=6, ranks=("w0", "s1"), holders=(("s1",), ("w0",)), spares=(),
-                                  reason="s0 (rank 1) failed; s1 takes rank 1", sources=(None, None))
+                                  reason="s0 (rank 1) failed; s1 takes rank 1", sources=(None, None),
+                                  fresh=((), ("w0",)))
 
 
 def test_two_failures_whose_replicas_share_a_holder_stream_one_to_the_other_spare():
@@ -131,7 +140,8 @@ def test_two_failures_whose_replicas_share_a_holder_stream_one_to_the_other_spar
     decision = plan_after_failures(plan, 0, frozenset({"w0", "w2"}))
     reason = "w0 (rank 0), w2 (rank 2) failed; s0 takes rank 0, s1 takes rank 2 (from s0's replica)"
     assert decision == Decision(Plan(generation=1, ranks=("s0", "w1", "s1"), holders=(("w1",), ("s1",), ("s0",)),
-                                     spares=(), reason=reason, sources=(None, None, "s0")), reason)
+                                     spares=(), reason=reason, sources=(None, None, "s0"),
+                                     fresh=(("w1",), (), ())), reason)  # s1, s0 keep ranks 1, 2's copies
     assert decision.value.sends_from("s0") == [2]
 
 
@@ -221,7 +231,7 @@ def test_failed_spare_with_replicas_starts_a_generation_to_place_them_anew():
     reason = "spare s1 lost; 2 left"
     assert decision == Decision(Plan(
         generation=1, ranks=WORKERS, holders=(("s0",), ("s2",), ("s0",), ("s2",)), spares=("s0", "s2"),
-        reason=reason), reason)
+        reason=reason, fresh=((), ("s2",), ("s0",), ("s2",))), reason)
 
 
 def test_failed_spare_without_replicas_only_shrinks_the_pool():
@@ -240,6 +250,51 @@ def test_spare_loss_keeps_snapshots_off():
     plan = initial_plan(2, ("s0", "s1"), replicate=False)
     decision = plan_after_failures(plan, 0, frozenset({"s1"}))
     assert decision.value.holders == ((), ())
+
+
+# ---- the pool over time: spare nodes that join, and waiting for one -----------------------
+
+EMPTY_POOL = Plan(generation=1, ranks=("w0", "w1", "s0", "s1"), holders=(("s0",), ("s1",), ("w0",), ("w1",)),
+                  spares=(), nodes={"w0": 0, "w1": 0, "w2": 1, "w3": 1, "s0": 2, "s1": 2})  # node 1 was swapped
+
+
+def test_a_node_that_joins_gets_the_next_spare_names_and_placeholder_ranks():
+    assert node_spares(2, workers=4, nproc_per_node=2) == {"s0": 4, "s1": 5}  # as node_map names spare node 2
+    assert node_spares(3, workers=4, nproc_per_node=2) == {"s2": 6, "s3": 7}  # rank 6 // 2: node 3
+
+
+def test_a_spare_node_that_joins_takes_the_replicas_in_a_new_generation():
+    decision = plan_after_join(EMPTY_POOL, 1, {"s2": 3, "s3": 3})
+    plan = decision.value
+    assert plan.generation == 2 and plan.ranks == EMPTY_POOL.ranks and plan.spares == ("s2", "s3")
+    assert plan.holders == (("s2",), ("s3",), ("s2",), ("s3",)) and plan.sources == ()  # off the workers
+    assert plan.nodes["s2"] == 3 and decision.reason.startswith("spare node 3 joined (s2, s3); 2 spare(s) in the pool")
+
+
+def test_a_join_with_snapshots_off_grows_the_pool_without_a_new_generation():
+    plan = initial_plan(2, (), replicate=False)
+    assert plan_after_join(plan, 0, {"s0": 1}).value == Plan(generation=0, ranks=("w0", "w1"), holders=((), ()),
+                                                             spares=("s0",), replicate=False, nodes={"s0": 1},
+                                                             reason="spare node 1 joined (s0); 1 spare(s) in the pool")
+    assert plan_after_join(plan, 0, {}) == Decision(None, "no spare joined")
+
+
+def test_no_spare_left_waits_for_a_spare_node_then_stops_naming_the_node_its_ranks():
+    lost = frozenset({"w0", "w1"})  # node 0, after node 1 already used the pool up
+    assert wait_for_spare(EMPTY_POOL, lost, 0.0, 30.0) == Decision(
+        SPARE_AWAITED, "node 0 (ranks 0, 1) was lost and no spare is left in the pool: waiting up to 30.0 s for "
+                       "a spare node to join")
+    assert wait_for_spare(EMPTY_POOL, lost, 30.0, 30.0) == Decision(
+        NO_SPARE, "node 0 (ranks 0, 1) was lost and no spare is left in the pool, and no spare node joined within "
+                  "--spare-wait 30 s")
+    assert wait_for_spare(EMPTY_POOL, lost, 0.0, 0.0).value == NO_SPARE
+
+
+def test_waiting_is_not_the_question_when_the_pool_suffices_or_a_replica_is_lost():
+    assert wait_for_spare(initial_plan(2, ("s0",)), frozenset({"w1"}), 0.0, 30.0).value is None
+    orphan = wait_for_spare(EMPTY_POOL, frozenset({"w0", "s0"}), 0.0, 30.0)  # s0 held rank 0's only copy
+    assert orphan == Decision(None, "ranks [0, 2] have no live holder of their replica: a spare that joins could "
+                                    "not restore them")
 
 
 # ---- classify_exit --------------------------------------------------------------------------

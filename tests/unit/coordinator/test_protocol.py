@@ -5,7 +5,7 @@ import json
 from deadpool.coordinator.protocol import Keys, Plan
 
 PLAN = Plan(generation=3, ranks=("w0", "s1", "w2"), holders=(("s0",), ("s0", "s2"), ()), spares=("s0", "s2"),
-            reason="w1 (rank 1) failed; spare s1 takes rank 1")
+            reason="w1 (rank 1) failed; spare s1 takes rank 1", fresh=((), ("s2",), ()))
 
 
 def test_plan_json_round_trip():
@@ -23,7 +23,12 @@ def test_plan_json_is_plain_data():
     assert json.loads(PLAN.to_json()) == {
         "generation": 3, "ranks": ["w0", "s1", "w2"], "holders": [["s0"], ["s0", "s2"], []],
         "spares": ["s0", "s2"], "reason": "w1 (rank 1) failed; spare s1 takes rank 1",
-        "replicate": True, "sources": [], "replicas": 1, "nodes": {}}
+        "replicate": True, "sources": [], "replicas": 1, "nodes": {}, "fresh": [[], ["s2"], []]}
+
+
+def test_fresh_holders_by_rank():
+    assert [PLAN.fresh_for(r) for r in range(3)] == [(), ("s2",), ()]
+    assert Plan(generation=0, ranks=("w0",), holders=((),), spares=()).fresh_for(0) == ()
 
 
 def test_plan_default_reason():
