@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -15,7 +16,7 @@ from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
 from deadpool.launcher.launch import launch
 
-from .conftest import TRAIN, Background
+from .conftest import REPO, SMALL, TRAIN, Background
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):
@@ -61,3 +62,45 @@ def test_a_spare_killed_while_holding_replicas_loses_nothing(tmp_path, reference
     assert job.named("plan_published")[-1]["spares"] == []
     assert job.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
     assert job.summary["losses"] == reference.summary["losses"]
+
+
+@pytest.mark.parametrize("how, code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)])
+def test_a_launcher_that_is_stopped_takes_its_processes_with_it(tmp_path, how, code):
+    """A scheduler cancelling the job (SIGTERM), or the OOM killer (SIGKILL): no training process is left
+    behind holding its memory and ports. SIGTERM unwinds the launcher, which fences them; on SIGKILL the
+    kernel kills them (PR_SET_PDEATHSIG)."""
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "2", "--spares",
+                                 "1", "--out", str(out), str(TRAIN), "--steps", "1000", *SMALL], cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, started = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and not any(e["event"] == "step" for e in _events(out)):
+            time.sleep(0.1)
+        started = {e["proc"]: e["pid"] for e in _events(out) if e["event"] == "process_start"}
+        assert sorted(started) == ["s0", "w0", "w1"]
+        launcher.send_signal(how)
+        assert launcher.wait(30) == code
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and [p for p in started.values() if _alive(p)]:
+            time.sleep(0.1)
+        assert not [p for p in started.values() if _alive(p)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+
+
+def _events(out):
+    import json
+
+    path = out / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read().lower()
+    except FileNotFoundError:
+        return False

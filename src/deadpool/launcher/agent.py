@@ -18,6 +18,13 @@ from deadpool.coordinator.protocol import ENV_CONFIG, ENV_DEVICE, ENV_PROC, ENV_
 
 _print_lock = threading.Lock()
 
+# Started in front of each process: asks the kernel to SIGKILL it when its parent (the launcher, or a node's
+# agent) dies (PR_SET_PDEATHSIG, kept across exec), exits if the parent is already gone, then becomes the
+# training process (same pid). Nothing outlives a launcher killed by SIGKILL or the OOM killer. A shim
+# rather than Popen's preexec_fn: Python code between fork and exec in a threaded parent can deadlock.
+DIE_WITH_PARENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
+                   "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+
 
 def process_env(config: JobConfig, config_path: Path, name: str, role: str, rank: int,
                 inherited: Mapping[str, str]) -> dict[str, str]:
@@ -61,13 +68,12 @@ class Child:
 class Agent:
     """Runs the training script once per process, each line of its output prefixed with who said it."""
 
-    def __init__(self, config: JobConfig, config_path: Path, echo: TextIO | None = sys.stdout, prefix: str = "",
-                 command_prefix: tuple[str, ...] = ()) -> None:
+    def __init__(self, config: JobConfig, config_path: Path, echo: TextIO | None = sys.stdout,
+                 prefix: str = "") -> None:
         self.config = config
         self.config_path = config_path
         self.echo = echo
         self.prefix = prefix    # before each process's name in its output lines (a node agent's: "n1:")
-        self.command_prefix = command_prefix  # before each command (a node agent's: die with the agent)
         self.children: dict[str, Child] = {}
         self.log_dir = Path(config.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +81,8 @@ class Agent:
     def spawn(self, name: str, role: str, rank: int) -> Child:
         """Starts one process as `rank` (a spare: a placeholder rank past the workers'). Its pid is in child.pid."""
         env = process_env(self.config, self.config_path, name, role, rank, os.environ)
-        command = [*self.command_prefix, sys.executable, "-u", self.config.script, *self.config.script_args]
+        command = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()),
+                   sys.executable, "-u", self.config.script, *self.config.script_args]
         popen = subprocess.Popen(command, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, errors="replace")

@@ -44,13 +44,6 @@ BEAT_EVERY_S = 0.1
 STOP_GRACE_S = 10.0
 
 
-# Started in front of each process: asks the kernel to SIGKILL it when the agent dies (PR_SET_PDEATHSIG, kept
-# across exec), exits if the agent is already gone, then becomes the training process (same pid). A shim
-# rather than Popen's preexec_fn: Python code between fork and exec in a threaded agent can deadlock.
-DIE_WITH_AGENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
-                  "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])")
-
-
 def connect_to_coordinator(address: str, timeout_s: float) -> dist.TCPStore:
     """A store client of the coordinator at HOST:PORT, retried until `timeout_s` (it may start after us)."""
     host, _, port = address.rpartition(":")
@@ -81,8 +74,7 @@ class NodeAgent:
         config_path = run / f"config.node{node}.json"
         config.write(config_path)
         self.config, self.keys = config, Keys(config.token)
-        self.local = Agent(config, config_path, prefix=f"n{node}:",
-                           command_prefix=(sys.executable, "-c", DIE_WITH_AGENT, str(os.getpid())))
+        self.local = Agent(config, config_path, prefix=f"n{node}:")  # its processes die with it
         self.spawned = 0
 
     def run(self) -> int:
