@@ -68,7 +68,7 @@ def test_a_spare_killed_while_holding_replicas_loses_nothing(tmp_path, reference
 def test_a_launcher_that_is_stopped_takes_its_processes_with_it(tmp_path, how, code):
     """A scheduler cancelling the job (SIGTERM), or the OOM killer (SIGKILL): no training process is left
     behind holding its memory and ports. SIGTERM unwinds the launcher, which fences them; on SIGKILL the
-    kernel kills them (PR_SET_PDEATHSIG)."""
+    kernel kills them (PR_SET_PDEATHSIG). (Meanwhile a would-be spare node is refused: this job has no nodes.)"""
     out = tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "2", "--spares",
                                  "1", "--out", str(out), str(TRAIN), "--steps", "1000", *SMALL], cwd=REPO,
@@ -79,6 +79,10 @@ def test_a_launcher_that_is_stopped_takes_its_processes_with_it(tmp_path, how, c
             time.sleep(0.1)
         started = {e["proc"]: e["pid"] for e in _events(out) if e["event"] == "process_start"}
         assert sorted(started) == ["s0", "w0", "w1"]
+        [start] = [e for e in _events(out) if e["event"] == "job_start"]
+        joiner = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
+                                 f"127.0.0.1:{start['port']}", "--spare"], capture_output=True, text=True, timeout=60)
+        assert joiner.returncode == 2 and "runs without nodes (no --nnodes): no node agent can join it" in joiner.stderr
         launcher.send_signal(how)
         assert launcher.wait(30) == code
         deadline = time.monotonic() + 10

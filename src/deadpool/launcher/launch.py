@@ -54,10 +54,9 @@ def count_gpus(config: JobConfig) -> int:
 
 def start_nodes(config: JobConfig, store: dist.TCPStore, events: EventLog, echo: TextIO | None,
                 start_agents: bool, network: Network | None) -> RemoteNodes:
-    """Publishes the job for the node agents, starts one per node on this machine if asked (`deadpool run
-    --nnodes`; `deadpool coordinator` waits for agents started elsewhere), each in its own network namespace
-    with --netns, and waits until every node joined."""
-    store.set(CONFIG_KEY, config.to_json())
+    """Starts one agent per node on this machine if asked (`deadpool run --nnodes`; `deadpool coordinator`
+    waits for agents started elsewhere), each in its own network namespace with --netns, and waits until
+    every node joined."""
     keys, agents = Keys(config.token), {}
     if start_agents:
         out = None if echo is not None else subprocess.DEVNULL
@@ -123,6 +122,7 @@ def _run(config: JobConfig, store: dist.TCPStore, devices: Decision, echo: TextI
     """The job itself, once its store (and network) exist: config file, events, processes, the coordinator."""
     config_path = Path(config.run_dir) / "config.json"
     config.write(config_path)
+    store.set(CONFIG_KEY, config.to_json())  # what node agents read first; one that finds no nodes says so
     events = EventLog(Path(config.run_dir) / "events.jsonl", role="coordinator", proc="coordinator")
     events.emit("job_start", workers=config.workers, spares=config.spares, port=store.port,
                 snapshot_every=config.snapshot_every, devices=devices.value, placement=devices.reason)

@@ -140,11 +140,11 @@ def agent_main(address: str, node: int | None, run_dir: Path | None, timeout_s: 
         if time.monotonic() > deadline:
             raise ConfigError(f"the coordinator at {address} published no job within {timeout_s:g} s")
         time.sleep(0.05)
+    job = JobConfig.from_json(store.get(CONFIG_KEY).decode())
+    if not job.nproc_per_node:
+        raise ConfigError(f"the job at {address} runs without nodes (no --nnodes): no node agent can join it")
     joining = node is None
     if node is None:
-        job = JobConfig.from_json(store.get(CONFIG_KEY).decode())
-        if not job.nproc_per_node:
-            raise ConfigError(f"the job at {address} runs without nodes (no --nnodes), so no spare node can join it")
         node = job.nodes + store.add(Keys(job.token).nodes_joined(), 1) - 1  # atomic: no two take one number
     what = "spare node" if joining else "node"
     print(f"[n{node}] agent of {what} {node} joined the coordinator at {address}", file=sys.stderr, flush=True)
