@@ -111,7 +111,7 @@ def test_a_spare_node_joins_after_the_pool_ran_empty_and_a_later_node_failure_us
     (`deadpool agent --spare`); the job places its replicas there in a new generation. Then node 0 dies as
     a whole, and node 3 takes ranks 0 and 1 from its replicas. Steps are slowed (a sleep in each forward
     pass: same numbers) so that the join fits in the run."""
-    job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.0",),
+    job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.5",),
                      faults=(Fault(kind="kill_node", rank=2, step=2),))
     events = job.wait_for(lambda e: e["event"] == "swap_complete")
     agent = _join_as_spare(events)
