@@ -159,7 +159,8 @@ def test_with_no_spare_left_and_none_joining_the_job_stops_naming_the_node_ranks
     assert job.code == 1
     [stopped] = job.named("no_spare")
     committed = stopped["committed"]
-    assert committed is not None and 2 <= committed <= 4 and 0.9 < stopped["waited_s"] < 10
+    assert committed == job.named("commit")[-1]["step"] < 4  # the last commit before node 1 died in step 4
+    assert 0.9 < stopped["waited_s"] < 10
     assert job.summary["error"].startswith(
         "node 1 (ranks 2, 3) was lost and no spare is left in the pool, and no spare node joined within "
         f"--spare-wait 1 s. Last committed step: {committed}. To go on from a lost node, start `deadpool agent "
