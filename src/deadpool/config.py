@@ -63,6 +63,10 @@ class JobConfig:
     cuBLAS's fixed workspace, cuDNN without autotuning); the CPU kernels are deterministic already.
     hang_timeout_s: a rank that makes no progress this long while its peers wait is fenced; None
     adapts it to the job (coordinator/policy.py: hang_timeout).
+    token: the job's id, in every store key and replica header: not a secret (protocol/store.py keeps
+    strangers out). secret_file: the file (mode 0600) with the job's secret, which every connection to
+    the control plane must prove it holds (protocol/wire.py). interface: the network interface this
+    machine's process groups listen on (gloo's GLOO_SOCKET_IFNAME), the one that holds the job's address.
     spare_wait_s: when a rank fails and no spare is left, how long the coordinator waits for a spare node
     to join (`deadpool agent --spare`) and start its spares before it stops the job; 0 stops at once.
     The survivors wait for the next plan that much longer than the collective timeout.
@@ -76,6 +80,8 @@ class JobConfig:
     store_host: str = "127.0.0.1"
     store_port: int = 0
     token: str = ""
+    secret_file: str = ""
+    interface: str = ""
     backend: str = "auto"
     snapshot_every: int | str = 1
     snapshot_budget: float = 0.01

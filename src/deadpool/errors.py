@@ -19,3 +19,15 @@ class ProtocolError(DeadPoolError):
 
 class SwapAborted(DeadPoolError):
     """A recovery did not finish within its deadline, or no spare was left to take over."""
+
+
+class ControlPlaneError(DeadPoolError, RuntimeError):
+    """The coordinator's store could not be reached, timed out, or answered outside the protocol."""
+
+
+class AuthenticationError(ControlPlaneError):
+    """A peer of the control plane did not prove that it holds the job's secret, or broke a frame's MAC."""
+
+
+class StoreTimeout(ControlPlaneError):
+    """A key awaited in the coordinator's store did not appear in time."""

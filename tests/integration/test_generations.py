@@ -9,19 +9,19 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from deadpool.config import Fault, JobConfig
 from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE, Keys, Plan
 from deadpool.events import EventLog, read_events
+from deadpool.protocol.store import Table
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.snapshot import SnapshotEngine
 from deadpool.runtime.watch import Watch
+from tests.plane import control_plane
 
 from .conftest import Background, run_job
 from .test_hot_swap import assert_same_training
@@ -48,8 +48,12 @@ class Counter(torch.nn.Module):
 
 
 def test_a_stale_snapshot_thread_cannot_touch_the_next_generations_slots_or_keys(tmp_path):
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), store_port=master.port, token="t")
+    with control_plane(tmp_path) as (server, plane):
+        _stale_snapshot_thread(tmp_path, server.table, JobConfig(script="train.py", workers=1, run_dir=str(tmp_path),
+                                                                 token="t", **plane))
+
+
+def _stale_snapshot_thread(tmp_path: Path, master: Table, config: JobConfig) -> None:
     gate, keys = Gate(), Keys("t")
     ctx = Context("w0", "worker", config, connect(config), keys, EventLog(tmp_path / "events.jsonl", role="worker",
                                                                          proc="w0"), gate)  # type: ignore[arg-type]

@@ -42,6 +42,8 @@ def process_env(config: JobConfig, config_path: Path, name: str, role: str, rank
            **torchrun_env(rank, config.world_size, config.nproc_per_node)}
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host must not oversubscribe
     env.setdefault("PYTHONHASHSEED", str(config.seed))  # str hashes, hence set order, the same every run
+    if config.interface:  # gloo listens where the job lives (loopback on one machine), unless the user chose
+        env.setdefault("GLOO_SOCKET_IFNAME", config.interface)
     # DeadPool aborts a failed generation's communicator itself (runtime/comms.abandon_group); NCCL's watchdog
     # must neither abort it first nor kill the process, as torch asks of callers of abort.
     env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "refill the pool")
     agent.add_argument("--out", type=Path, default=None, help="run directory on this node (default: the job's)")
     agent.add_argument("--connect-timeout", type=float, default=60.0, help="s to wait for the coordinator")
+    agent.add_argument("--secret-file", type=Path, default=None,
+                       help="the job's secret (RUN_DIR/secret on the coordinator's machine, copied with mode 600); "
+                            "default: the DEADPOOL_SECRET variable")
 
     demo = sub.add_parser("demo", help="train the example GPT, kill a worker mid-step, compare with a clean run")
     add_job_options(demo)
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "agent":
             from deadpool.launcher.node import agent_main
 
-            return agent_main(args.coordinator, None if args.spare else args.node_rank, args.out, args.connect_timeout)
+            return agent_main(args.coordinator, None if args.spare else args.node_rank, args.out, args.connect_timeout,
+                              args.secret_file)
         if args.command == "simulate":
             return sim_cli.main(args)
         if args.command == "demo":

@@ -9,12 +9,10 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 import torch
-import torch.distributed as dist
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.nodes import RemoteNodes
@@ -23,20 +21,32 @@ from deadpool.coordinator.protocol import CONFIG_KEY, Keys
 from deadpool.coordinator.server import Coordinator, Processes
 from deadpool.errors import ConfigError
 from deadpool.events import EventLog
+from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
+from deadpool.protocol.secret import ENV_SECRET, new_secret, write_secret
+from deadpool.protocol.store import StoreServer, Table
 from deadpool.report import summarize
 
 
-def host_store(config: JobConfig) -> dist.TCPStore:
-    """The control-plane store lives in the launcher, so no dying rank can take it down."""
+def host_store(config: JobConfig, secret: bytes) -> StoreServer:
+    """The control-plane store lives in the launcher, so no dying rank can take it down. It listens on the
+    job's address alone and serves only connections that prove they hold the job's secret."""
     try:
-        return dist.TCPStore(config.store_host, config.store_port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=config.connect_timeout_s))
-    except Exception as error:  # torch raises DistNetworkError/RuntimeError with the socket's errno text
-        first = str(error).splitlines()[0]
+        return StoreServer(config.store_host, config.store_port, secret)
+    except OSError as error:
         raise ConfigError(f"cannot host the control-plane store on {config.store_host}:{config.store_port} "
-                          f"({first}); pick a free port with --master-port, or 0 for any") from None
+                          f"({error.strerror}); pick a free port with --master-port, or 0 for any") from None
+
+
+def log_refusals(events: EventLog) -> Callable[[str, str], None]:
+    """Every connection the store refuses becomes an event and a line on stderr: someone tried."""
+
+    def refused(peer: str, why: str) -> None:
+        events.emit("control_plane_refused", peer=peer, reason=why)
+        print(f"[coordinator] refused a connection to the control plane from {peer}: {why}", file=sys.stderr,
+              flush=True)
+    return refused
 
 
 def count_gpus(config: JobConfig) -> int:
@@ -52,7 +62,7 @@ def count_gpus(config: JobConfig) -> int:
     return gpus
 
 
-def start_nodes(config: JobConfig, store: dist.TCPStore, events: EventLog, echo: TextIO | None,
+def start_nodes(config: JobConfig, store: Table, events: EventLog, echo: TextIO | None,
                 start_agents: bool, network: Network | None) -> RemoteNodes:
     """Starts one agent per node on this machine if asked (`deadpool run --nnodes`; `deadpool coordinator`
     waits for agents started elsewhere), each in its own network namespace with --netns, and waits until
@@ -63,13 +73,15 @@ def start_nodes(config: JobConfig, store: dist.TCPStore, events: EventLog, echo:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"} if network else None  # gloo: the node's own interface
         for node in range(config.nodes):
             argv = [sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
-                    f"{config.store_host}:{config.store_port}", "--node-rank", str(node)]
+                    f"{config.store_host}:{config.store_port}", "--node-rank", str(node), "--secret-file",
+                    config.secret_file]
             agents[node] = subprocess.Popen(network.command(node, argv) if network else argv, env=env, stdout=out,
                                             stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
     else:
         print(f"[coordinator] waiting for {config.nodes} node agents: on each node run `deadpool agent "
-              f"--coordinator {config.store_host}:{config.store_port} --node-rank K` (K = 0..{config.nodes - 1}; "
-              f"{config.workers // config.nproc_per_node} worker nodes first, then spare nodes)", flush=True)
+              f"--coordinator {config.store_host}:{config.store_port} --node-rank K --secret-file SECRET` "
+              f"(K = 0..{config.nodes - 1}; {config.workers // config.nproc_per_node} worker nodes first, then spare "
+              f"nodes; SECRET: a copy of {config.secret_file}, mode 600, or the variable {ENV_SECRET})", flush=True)
     deadline = time.monotonic() + config.connect_timeout_s
     missing = list(range(config.nodes))
     while missing:
@@ -101,15 +113,24 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     devices = place_devices(config.workers, config.spares, config.gpus_per_node or 0)
     if not devices.ok:
         raise ConfigError(devices.reason)
-    store = host_store(config)  # it listens on every interface, the namespaces' bridge included
     network = Network(config.nodes).create() if config.netns else None
+    secret, store, events = new_secret(), None, None
     try:
         if network is not None:
-            config = replace(config, store_host=network.host_address)
+            config = replace(config, store_host=network.host_address)  # the bridge: the nodes' only way in
+        store = host_store(config, secret)
+        events = EventLog(run_dir / "events.jsonl", role="coordinator", proc="coordinator")
+        store.on_refused = log_refusals(events)
         config = replace(config, store_port=store.port, token=config.token or secrets.token_hex(8),
+                         secret_file=str(write_secret(run_dir.resolve() / "secret", secret)),
+                         interface=config.interface or interface_of(config.store_host),
                          run_dir=str(run_dir.resolve()), script=str(Path(config.script).resolve()))
-        code = _run(config, store, devices, echo, start_agents, network)
+        code = _run(config, store.table, events, devices, echo, start_agents, network)
     finally:
+        if store is not None:
+            store.close()
+        if events is not None:
+            events.close()
         if network is not None:
             network.remove()
     summary = summarize(run_dir / "events.jsonl", exit_code=code)
@@ -117,14 +138,13 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     return code, summary
 
 
-def _run(config: JobConfig, store: dist.TCPStore, devices: Decision, echo: TextIO | None, start_agents: bool,
-         network: Network | None) -> int:
+def _run(config: JobConfig, store: Table, events: EventLog, devices: Decision, echo: TextIO | None,
+         start_agents: bool, network: Network | None) -> int:
     """The job itself, once its store (and network) exist: config file, events, processes, the coordinator."""
     config_path = Path(config.run_dir) / "config.json"
     config.write(config_path)
     store.set(CONFIG_KEY, config.to_json())  # what node agents read first; one that finds no nodes says so
-    events = EventLog(Path(config.run_dir) / "events.jsonl", role="coordinator", proc="coordinator")
-    events.emit("job_start", workers=config.workers, spares=config.spares, port=store.port,
+    events.emit("job_start", workers=config.workers, spares=config.spares, port=config.store_port,
                 snapshot_every=config.snapshot_every, devices=devices.value, placement=devices.reason)
     if network is not None:
         events.emit("network", bridge=network.bridge, host_address=network.host_address,
@@ -142,5 +162,4 @@ def _run(config: JobConfig, store: dist.TCPStore, devices: Decision, echo: TextI
         agent.stop_all(grace_s=0.0)
         raise
     events.emit("job_end", exit_code=code, duration_s=time.monotonic() - started)
-    events.close()
     return code

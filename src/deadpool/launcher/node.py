@@ -28,50 +28,54 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import place_devices
 from deadpool.coordinator.protocol import CONFIG_KEY, Keys
-from deadpool.errors import ConfigError
+from deadpool.errors import AuthenticationError, ConfigError, ControlPlaneError
+from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.launch import count_gpus
+from deadpool.protocol.secret import find_secret, write_secret
+from deadpool.protocol.store import StoreClient
 
 BEAT_EVERY_S = 0.1
 STOP_GRACE_S = 10.0
 
 
-def connect_to_coordinator(address: str, timeout_s: float) -> dist.TCPStore:
-    """A store client of the coordinator at HOST:PORT, retried until `timeout_s` (it may start after us)."""
+def connect_to_coordinator(address: str, secret: bytes, timeout_s: float) -> StoreClient:
+    """An authenticated client of the coordinator's store at HOST:PORT, retried until `timeout_s` (it may
+    start after us)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--coordinator must be HOST:PORT, got {address!r}")
     try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception as error:  # torch raises DistNetworkError/RuntimeError with the socket's text
-        raise ConfigError(f"cannot reach the coordinator at {address} within {timeout_s:g} s "
-                          f"({str(error).splitlines()[0]}): is `deadpool coordinator` running there?") from None
+        return StoreClient(host.strip("[]"), int(port), secret, timeout_s)
+    except AuthenticationError as error:
+        raise ConfigError(f"the coordinator at {address} refused this agent: {error}") from None
+    except ControlPlaneError as error:
+        raise ConfigError(f"{error}: is `deadpool coordinator` running there?") from None
 
 
 class NodeAgent:
     """The agent of node `node`: registers, then runs the processes the coordinator assigns it."""
 
-    def __init__(self, store: dist.TCPStore, beat_store: dist.TCPStore, node: int, run_dir: Path | None = None,
-                 joining: bool = False) -> None:
+    def __init__(self, store: StoreClient, beat_store: StoreClient, secret: bytes, node: int,
+                 run_dir: Path | None = None, joining: bool = False) -> None:
         self.store, self.beat_store, self.node = store, beat_store, node
         config = JobConfig.from_json(store.get(CONFIG_KEY).decode())
         if not joining and not 0 <= node < config.nodes:
             raise ConfigError(f"--node-rank {node}: this job has nodes 0..{config.nodes - 1}")
-        config = replace(config, gpus_per_node=count_gpus(config))  # this node's own GPUs
+        here = store.channel.sock.getsockname()[0]  # this node's address on the way to the coordinator
+        config = replace(config, gpus_per_node=count_gpus(config), interface=interface_of(here))
         devices = place_devices(config.nproc_per_node, 0, config.gpus_per_node or 0)
         if not devices.ok:
             raise ConfigError(f"node {node}: {devices.reason}")
         run = Path(run_dir or config.run_dir)
         run.mkdir(parents=True, exist_ok=True)
         config_path = run / f"config.node{node}.json"
+        config = replace(config, secret_file=str(write_secret(run.resolve() / f"secret.node{node}", secret)))
         config.write(config_path)
         self.config, self.keys = config, Keys(config.token)
         self.local = Agent(config, config_path, prefix=f"n{node}:")  # its processes die with it
@@ -95,7 +99,7 @@ class NodeAgent:
                     if store.check([keys.fence(name)]):
                         self.local.fence(name)
                 time.sleep(BEAT_EVERY_S)
-        except (RuntimeError, dist.DistError) as error:  # torch's store errors
+        except ControlPlaneError as error:
             print(f"[n{self.node}] lost the coordinator ({str(error).splitlines()[0]}); stopping this node",
                   file=sys.stderr, flush=True)
             self.local.stop_all(grace_s=0.0)
@@ -113,7 +117,7 @@ class NodeAgent:
                 beat += 1
                 self.beat_store.set(self.keys.node_beat(self.node), str(beat))
                 time.sleep(BEAT_EVERY_S)
-        except (RuntimeError, dist.DistError):  # the coordinator is gone; the main loop says so
+        except ControlPlaneError:  # the coordinator is gone; the main loop says so
             return
 
     def _start_assigned(self) -> None:
@@ -131,10 +135,13 @@ class NodeAgent:
                            json.dumps({"code": child.returncode, "pid": child.pid}))
 
 
-def agent_main(address: str, node: int | None, run_dir: Path | None, timeout_s: float) -> int:
+def agent_main(address: str, node: int | None, run_dir: Path | None, timeout_s: float,
+               secret_file: Path | None = None) -> int:
     """`deadpool agent`: joins the job of the coordinator at `address` as node `node`, until it ends; with
-    node None (--spare), as a spare node of the running job, under the next node number."""
-    store = connect_to_coordinator(address, timeout_s)
+    node None (--spare), as a spare node of the running job, under the next node number. The job's secret
+    comes from `secret_file` or the environment, never from the command line."""
+    secret = find_secret(secret_file)
+    store = connect_to_coordinator(address, secret, timeout_s)
     deadline = time.monotonic() + timeout_s
     while not store.check([CONFIG_KEY]):  # the coordinator publishes the job once it is listening
         if time.monotonic() > deadline:
@@ -148,4 +155,5 @@ def agent_main(address: str, node: int | None, run_dir: Path | None, timeout_s: 
         node = job.nodes + store.add(Keys(job.token).nodes_joined(), 1) - 1  # atomic: no two take one number
     what = "spare node" if joining else "node"
     print(f"[n{node}] agent of {what} {node} joined the coordinator at {address}", file=sys.stderr, flush=True)
-    return NodeAgent(store, connect_to_coordinator(address, timeout_s), node, run_dir, joining).run()
+    beat_store = connect_to_coordinator(address, secret, timeout_s)
+    return NodeAgent(store, beat_store, secret, node, run_dir, joining).run()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool.errors import ConfigError, ProtocolError
+from deadpool.runtime.plane import PlaneStore
 
 
 def pick_backend(requested: str, device_index: int | None) -> tuple[str, torch.device]:
@@ -172,7 +173,8 @@ def guard_exit() -> None:
 _exit_guarded = False
 
 
-def join_group(store: dist.TCPStore, prefix: str, backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+def join_group(store: PlaneStore | dist.TCPStore, prefix: str, backend: str, rank: int, world_size: int,
+               timeout_s: float) -> None:
     """Makes this process rank `rank` of a fresh default group; the prefix keeps generations apart. The
     TCP connections the group opens (any new one not to the store) are noted for abandon_group."""
     before = set(_socket_fds())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +15,9 @@ from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE, Keys, 
 from deadpool.errors import ConfigError, SwapAborted
 from deadpool.events import EventLog
 from deadpool.faults.plan import FaultInjector
+from deadpool.protocol.secret import read_secret
+from deadpool.protocol.store import StoreClient
+from deadpool.runtime.plane import PlaneStore
 
 
 def wait_for_key(store: dist.Store, key: str, deadline: float, give_up: tuple[str, ...] = (),
@@ -39,10 +41,12 @@ def wait_for_key(store: dist.Store, key: str, deadline: float, give_up: tuple[st
         pause = min(2 * pause, max_pause)
 
 
-def connect(config: JobConfig, timeout_s: float | None = None) -> dist.TCPStore:
-    """A client of the coordinator's store; each thread that blocks on the store gets its own."""
-    timeout = timedelta(seconds=timeout_s or config.connect_timeout_s)
-    return dist.TCPStore(config.store_host, config.store_port, is_master=False, timeout=timeout)
+def connect(config: JobConfig, timeout_s: float | None = None) -> PlaneStore:
+    """A client of the coordinator's store that proved it holds the job's secret; each thread that blocks on
+    the store gets its own."""
+    client = StoreClient(config.store_host, config.store_port, read_secret(config.secret_file),
+                         timeout_s or config.connect_timeout_s)
+    return PlaneStore(client)
 
 
 @dataclass
@@ -52,7 +56,7 @@ class Context:
     proc: str
     role: str
     config: JobConfig
-    store: dist.TCPStore
+    store: PlaneStore
     keys: Keys
     events: EventLog
     faults: FaultInjector

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
+from tests.plane import control_plane
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.protocol import Keys, Plan
 from deadpool.errors import SwapAborted
 from deadpool.events import EventLog
 from deadpool.faults.plan import FaultInjector
+from deadpool.protocol.store import Table
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.snapshot import SnapshotEngine
@@ -24,8 +24,12 @@ from deadpool.runtime.watch import Watch
 @pytest.fixture
 def engine(tmp_path):
     """A rank's engine in generation 0 of a one-rank job with no holders, and the store's master."""
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), store_port=master.port, token="t",
+    with control_plane(tmp_path) as (server, plane):
+        yield from _engine(tmp_path, server.table, plane)
+
+
+def _engine(tmp_path, master: Table, plane: dict):
+    config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane,
                        poll_interval_s=0.01, decision_timeout_s=0.5, recovery_timeout_s=1.0, collective_timeout_s=2.0)
     keys, events = Keys("t"), EventLog(tmp_path / "events.jsonl", role="worker", proc="w0")
     store = connect(config)
@@ -40,7 +44,7 @@ def engine(tmp_path):
     watch.close()
 
 
-def commit(master: dist.TCPStore, inc: Incarnation, step: int | None, abandoned: list[int]) -> None:
+def commit(master: Table, inc: Incarnation, step: int | None, abandoned: list[int]) -> None:
     master.set(inc.committed_key(), json.dumps({"step": step, "abandoned": abandoned}))
 
 

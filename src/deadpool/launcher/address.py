@@ -1,0 +1,48 @@
+"""Which network interface holds an address: the one a job's process groups may listen on."""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import socket
+import struct
+
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_of(address: str) -> str:
+    """The name of the interface that holds `address` ("lo" for a loopback one), or "" when none here does
+    (a host name, or an address of another machine): gloo then chooses, as it always did."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return ""
+    if ip.is_loopback:
+        return "lo"
+    if ip.version == 4:
+        for _, name in socket.if_nameindex():
+            if _ipv4_of(name) == address:
+                return name
+        return ""
+    return _ipv6_interface(ip)
+
+
+def _ipv4_of(name: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            raw = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(raw[20:24])
+
+
+def _ipv6_interface(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    try:
+        lines = open("/proc/net/if_inet6").read().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and ipaddress.ip_address(bytes.fromhex(fields[0])) == ip:
+            return fields[5]
+    return ""
