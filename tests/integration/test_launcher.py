@@ -81,7 +81,8 @@ def test_a_launcher_that_is_stopped_takes_its_processes_with_it(tmp_path, how, c
         assert sorted(started) == ["s0", "w0", "w1"]
         [start] = [e for e in _events(out) if e["event"] == "job_start"]
         joiner = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
-                                 f"127.0.0.1:{start['port']}", "--spare"], capture_output=True, text=True, timeout=60)
+                                 f"127.0.0.1:{start['port']}", "--spare", "--secret-file", str(out / "secret")],
+                                capture_output=True, text=True, timeout=60)
         assert joiner.returncode == 2 and "runs without nodes (no --nnodes): no node agent can join it" in joiner.stderr
         launcher.send_signal(how)
         assert launcher.wait(30) == code

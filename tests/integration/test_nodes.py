@@ -11,11 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from deadpool.config import Fault
 from deadpool.launcher.netns import available
+from deadpool.protocol.secret import new_secret, write_secret
 from tests.integration.conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, Job, run_job
 
 NODES = dict(workers=4, spares=2, nproc_per_node=2)  # 2 worker nodes of 2 ranks, 1 spare node of 2 spares
@@ -89,11 +91,13 @@ def test_a_spare_node_dies_then_a_worker_node_uses_the_other(tmp_path, reference
 
 # ---- the pool over time: spare nodes that join a running job ------------------------------------------------
 
-def _join_as_spare(events: list[dict]) -> subprocess.Popen:
-    """Starts `deadpool agent --spare` against the job's coordinator, as a new machine would."""
+def _join_as_spare(events: list[dict], run_dir: Path) -> subprocess.Popen:
+    """Starts `deadpool agent --spare` against the job's coordinator, as a new machine would (with the job's
+    secret, as its operator would give it)."""
     [start] = [e for e in events if e["event"] == "job_start"]
     return subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
-                             f"127.0.0.1:{start['port']}", "--spare"], cwd=REPO, start_new_session=True,
+                             f"127.0.0.1:{start['port']}", "--spare", "--secret-file", str(run_dir / "secret")],
+                            cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -114,7 +118,7 @@ def test_a_spare_node_joins_after_the_pool_ran_empty_and_a_later_node_failure_us
     job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.5",),
                      faults=(Fault(kind="kill_node", rank=2, step=2),))
     events = job.wait_for(lambda e: e["event"] == "swap_complete")
-    agent = _join_as_spare(events)
+    agent = _join_as_spare(events, tmp_path)
     try:
         events = job.wait_for(lambda e: e["event"] == "pool_refilled")
         [joined] = [e for e in events if e["event"] == "nodes_joined"]
@@ -139,7 +143,7 @@ def test_with_no_spare_left_the_job_waits_for_a_spare_node_and_recovers_with_it(
     job = Background(tmp_path, workers=4, spares=0, nproc_per_node=2, spare_wait_s=90.0,
                      faults=(Fault(kind="kill_node", rank=2, step=4),))
     events = job.wait_for(lambda e: e["event"] == "spare_awaited")
-    agent = _join_as_spare(events)
+    agent = _join_as_spare(events, tmp_path)
     try:
         done = job.join()
     finally:
@@ -172,15 +176,18 @@ def test_coordinator_and_agents_started_apart(tmp_path, reference):
     """The multi-host shape on one machine: `deadpool coordinator` alone, then one `deadpool agent` per node."""
     port = _free_port()
     out = tmp_path / "run"
+    secret = str(write_secret(tmp_path / "secret", new_secret()))  # made by the operator, shared with every node
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "deadpool.launcher.cli", "coordinator", "--nnodes", "2", "--nproc-per-node", "2",
-         "--spare-nodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(out), str(TRAIN),
+         "--spare-nodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--secret-file", secret, "--out", str(out),
+         str(TRAIN),
          "--steps", "10", *SMALL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     agents = []
     try:
         time.sleep(1.0)  # the agents may also start first: they wait for the coordinator
         agents = [subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
-                                    f"127.0.0.1:{port}", "--node-rank", str(n)], start_new_session=True,
+                                    f"127.0.0.1:{port}", "--node-rank", str(n), "--secret-file", secret],
+                                   start_new_session=True,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in range(3)]
         output, _ = coordinator.communicate(timeout=180)
         assert coordinator.returncode == 0, output[-3000:]
@@ -194,10 +201,11 @@ def test_coordinator_and_agents_started_apart(tmp_path, reference):
                 proc.wait(10)
 
 
-def test_an_agent_that_cannot_reach_its_coordinator_says_so():
+def test_an_agent_that_cannot_reach_its_coordinator_says_so(tmp_path):
     port = _free_port()
+    secret = str(write_secret(tmp_path / "secret", new_secret()))
     done = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
-                           f"127.0.0.1:{port}", "--node-rank", "0", "--connect-timeout", "1"],
+                           f"127.0.0.1:{port}", "--node-rank", "0", "--connect-timeout", "1", "--secret-file", secret],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"cannot reach the coordinator at 127.0.0.1:{port}" in done.stderr

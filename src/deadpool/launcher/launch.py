@@ -24,7 +24,7 @@ from deadpool.events import EventLog
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
-from deadpool.protocol.secret import ENV_SECRET, new_secret, write_secret
+from deadpool.protocol.secret import ENV_SECRET, new_secret, read_secret, write_secret
 from deadpool.protocol.store import StoreServer, Table
 from deadpool.report import summarize
 
@@ -114,7 +114,8 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     if not devices.ok:
         raise ConfigError(devices.reason)
     network = Network(config.nodes).create() if config.netns else None
-    secret, store, events = new_secret(), None, None
+    secret = read_secret(config.secret_file) if config.secret_file else new_secret()
+    store, events = None, None
     try:
         if network is not None:
             config = replace(config, store_host=network.host_address)  # the bridge: the nodes' only way in
@@ -122,7 +123,8 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
         events = EventLog(run_dir / "events.jsonl", role="coordinator", proc="coordinator")
         store.on_refused = log_refusals(events)
         config = replace(config, store_port=store.port, token=config.token or secrets.token_hex(8),
-                         secret_file=str(write_secret(run_dir.resolve() / "secret", secret)),
+                         secret_file=str(Path(config.secret_file).resolve() if config.secret_file else
+                                         write_secret(run_dir.resolve() / "secret", secret)),
                          interface=config.interface or interface_of(config.store_host),
                          run_dir=str(run_dir.resolve()), script=str(Path(config.script).resolve()))
         code = _run(config, store.table, events, devices, echo, start_agents, network)

@@ -73,6 +73,9 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                    help="deterministic GPU kernels, so a replayed step gives the same bits (default: on)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address the coordinator's store listens on")
     p.add_argument("--master-port", type=int, default=0, help="port of the coordinator's store (0 = any free)")
+    p.add_argument("--secret-file", default="", metavar="PATH",
+                   help="the job's secret, shared with agents started by hand (a file of mode 600 with 32+ random "
+                        "bytes in hex, e.g. `openssl rand -hex 32`); default: a new one in RUN_DIR/secret")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="torchrun's name for --master-addr and --master-port together")
     p.add_argument("--settle-window", type=float, default=0.05,
@@ -105,7 +108,7 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
     fields = dict(script=script, script_args=tuple(script_args), workers=workers, spares=spares,
                   nproc_per_node=nproc, node_timeout_s=args.node_timeout, spare_wait_s=args.spare_wait,
                   netns=args.netns,
-                  run_dir=str(run_dir), store_host=host, store_port=port,
+                  run_dir=str(run_dir), store_host=host, store_port=port, secret_file=args.secret_file,
                   backend=args.backend, gpus_per_node=args.gpus_per_node, deterministic=args.deterministic,
                   snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
                   replicas=args.replicas, backlog_policy=args.backlog_policy, on_divergence=args.on_divergence,

@@ -224,7 +224,7 @@ class StoreClient:
                 break
             except OSError as error:
                 if time.monotonic() > deadline:
-                    raise ControlPlaneError(f"cannot reach the coordinator's store at {self.address} within "
+                    raise ControlPlaneError(f"cannot reach the coordinator at {self.address} within "
                                             f"{timeout_s:g} s ({error})") from None
                 time.sleep(0.05)
         sock.settimeout(timeout_s)
