@@ -12,8 +12,9 @@ from pathlib import Path
 
 from deadpool.config import FAULT_PHASES, Fault, JobConfig
 from deadpool.errors import ConfigError
+from deadpool.examples import GPT
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt" / "train.py"
+EXAMPLE = GPT / "train.py"  # the example trainer, shipped in the package (deadpool/examples)
 FAULT_FORMAT = "KIND:RANK[+RANK...]:STEP[:PHASE]"
 
 
