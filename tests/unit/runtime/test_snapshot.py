@@ -26,7 +26,7 @@ def engine(tmp_path):
     """A rank's engine in generation 0 of a one-rank job with no holders, and the store's master."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), store_port=master.port, token="t",
-                       poll_interval_s=0.01, decision_timeout_s=0.5, recovery_timeout_s=1.0, collective_timeout_s=2.0)
+                       poll_interval_s=0.01, recovery_timeout_s=1.0, collective_timeout_s=2.0)
     keys, events = Keys("t"), EventLog(tmp_path / "events.jsonl", role="worker", proc="w0")
     store = connect(config)
     ctx = Context("w0", "worker", config, store, keys, events, FaultInjector((), store, keys, events))
