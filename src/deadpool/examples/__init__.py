@@ -6,4 +6,4 @@ there, and a wheel carries it as this package (setuptools follows the link when 
 
 from pathlib import Path
 
-GPT = (Path(__file__).parent / "gpt").resolve()  # the example's directory: its scripts run by path
+GPT_DIR = (Path(__file__).parent / "gpt").resolve()  # the example's directory: its scripts run by path

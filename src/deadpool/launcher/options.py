@@ -12,9 +12,9 @@ from pathlib import Path
 
 from deadpool.config import FAULT_PHASES, Fault, JobConfig
 from deadpool.errors import ConfigError
-from deadpool.examples import GPT
+from deadpool.examples import GPT_DIR
 
-EXAMPLE = GPT / "train.py"  # the example trainer, shipped in the package (deadpool/examples)
+EXAMPLE = GPT_DIR / "train.py"  # the example trainer, shipped in the package (deadpool/examples)
 FAULT_FORMAT = "KIND:RANK[+RANK...]:STEP[:PHASE]"
 
 
