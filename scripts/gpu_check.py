@@ -84,7 +84,7 @@ def correctness(out: Path, backend: str, model: list[str], deterministic: bool) 
             "taker_snapshots_pinned": bool(taker) and all(e["pinned"] for e in taker),
             "state_equal": run.summary["final_state_sha256"] == reference.summary["final_state_sha256"],
             "losses_equal": run.summary["losses"] == reference.summary["losses"],
-            "kill_to_next_step_s": [r["kill_to_next_step_s"] for r in run.summary["recoveries"]],
+            "fault_to_next_step_s": [r["fault_to_next_step_s"] for r in run.summary["recoveries"]],
             "restore_s": [r["restore_s"] for r in run.summary["recoveries"]],
         }
     return result

@@ -1,0 +1,1 @@
+"""The example: a character-level GPT (model.py, one file), its data (data.py) and its trainers (train*.py)."""

@@ -98,7 +98,6 @@ class JobConfig:
     settle_s: float = 0.05
     hang_timeout_s: float | None = None
     spare_wait_s: float = 0.0
-    decision_timeout_s: float = 10.0
     recovery_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0
     connect_timeout_s: float = 60.0
@@ -137,13 +136,13 @@ class JobConfig:
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"--seed must be in [0, 2**32), got {self.seed}")
         # Each deadline must leave room for the one it waits on.
-        chain = [("poll-interval", self.poll_interval_s), ("decision-timeout", self.decision_timeout_s),
-                 ("recovery-timeout", self.recovery_timeout_s), ("collective-timeout", self.collective_timeout_s)]
+        chain = [("poll-interval", self.poll_interval_s), ("recovery-timeout", self.recovery_timeout_s),
+                 ("collective-timeout", self.collective_timeout_s)]
         for (a, va), (b, vb) in zip(chain, chain[1:]):
             if not 0 < va < vb:
                 raise ConfigError(f"timeouts must satisfy 0 < {a} < {b}, got {a}={va}s {b}={vb}s")
-        if not 0 <= self.settle_s < self.decision_timeout_s:
-            raise ConfigError(f"--settle-window must be in [0, decision-timeout), got {self.settle_s}s")
+        if not 0 <= self.settle_s < self.recovery_timeout_s:
+            raise ConfigError(f"--settle-window must be in [0, recovery-timeout), got {self.settle_s}s")
         hang = self.hang_timeout_s
         if hang is not None and not self.poll_interval_s < hang < self.collective_timeout_s:
             raise ConfigError(f"--hang-timeout must lie between the poll interval ({self.poll_interval_s}s) and "

@@ -53,9 +53,6 @@ def _faults(args: argparse.Namespace, workers: int, spares: int, nproc: int) -> 
 
 
 def demo(args: argparse.Namespace) -> int:
-    if not EXAMPLE.is_file():
-        raise ConfigError(f"the example trainer is not at {EXAMPLE}; run the demo from a clone of the repository "
-                          "installed with `pip install -e .`")
     if not 1 <= args.fail_at <= args.steps:
         raise ConfigError(f"--fail-at must be a step between 1 and --steps ({args.steps}), got {args.fail_at}")
     out = args.out or default_out("demo")

@@ -60,11 +60,8 @@ def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, A
         "rebuild_s": max((e["rebuild_s"] for e in recovered), default=None),
         "resume_s": done["t"] - t_fail,
         "replay_s": None if t_frontier is None else t_frontier - done["t"],
-        "total_s": to_next,
         "fault_to_next_step_s": to_next,
         "fault_to_frontier_s": to_frontier,
-        "kill_to_next_step_s": to_next,
-        "kill_to_frontier_s": to_frontier,
     }
 
 

@@ -32,7 +32,7 @@ def test_cli_reports_bad_input_with_exit_code_2(tmp_path):
         (["run", "--workers", "0", str(TRAIN)], "--workers must be at least 1"),
         (["run", "--workers", "2", str(tmp_path / "missing.py")], "does not exist"),
         (["run", "--fault", "kill:9:3", "--workers", "2", str(TRAIN)], "fault targets rank 9"),
-        (["run", "--decision-timeout", "90", str(TRAIN)], "timeouts must satisfy"),
+        (["run", "--recovery-timeout", "90", str(TRAIN)], "timeouts must satisfy"),
     ]
     for argv, message in cases:
         command = [sys.executable, "-m", "deadpool.launcher.cli", argv[0], "--out", str(tmp_path / "r"), *argv[1:]]

@@ -93,18 +93,14 @@ def test_accepts_fault_on_last_rank():
     assert job(workers=2, faults=(fault,)).faults == (fault,)
 
 
-# The deadlines form a chain: poll < decision < recovery < collective, each strictly, the first positive.
+# The deadlines form a chain: poll < recovery < collective, each strictly, the first positive.
 @pytest.mark.parametrize("overrides, message", [
     (dict(poll_interval_s=0.0),
-     "timeouts must satisfy 0 < poll-interval < decision-timeout, got poll-interval=0.0s decision-timeout=10.0s"),
-    (dict(poll_interval_s=10.0),
-     "timeouts must satisfy 0 < poll-interval < decision-timeout, got poll-interval=10.0s decision-timeout=10.0s"),
-    (dict(decision_timeout_s=30.0),
-     "timeouts must satisfy 0 < decision-timeout < recovery-timeout, "
-     "got decision-timeout=30.0s recovery-timeout=30.0s"),
-    (dict(decision_timeout_s=5.0, recovery_timeout_s=4.0),
-     "timeouts must satisfy 0 < decision-timeout < recovery-timeout, "
-     "got decision-timeout=5.0s recovery-timeout=4.0s"),
+     "timeouts must satisfy 0 < poll-interval < recovery-timeout, got poll-interval=0.0s recovery-timeout=30.0s"),
+    (dict(poll_interval_s=30.0),
+     "timeouts must satisfy 0 < poll-interval < recovery-timeout, got poll-interval=30.0s recovery-timeout=30.0s"),
+    (dict(poll_interval_s=5.0, recovery_timeout_s=4.0),
+     "timeouts must satisfy 0 < poll-interval < recovery-timeout, got poll-interval=5.0s recovery-timeout=4.0s"),
     (dict(recovery_timeout_s=60.0),
      "timeouts must satisfy 0 < recovery-timeout < collective-timeout, "
      "got recovery-timeout=60.0s collective-timeout=60.0s"),
@@ -117,9 +113,13 @@ def test_timeouts_must_be_strictly_ordered(overrides, message):
         job(**overrides)
 
 
+def test_settle_window_must_end_before_the_recovery_timeout():
+    with pytest.raises(ConfigError, match=r"^--settle-window must be in \[0, recovery-timeout\), got 30.0s$"):
+        job(settle_s=30.0)
+
+
 def test_accepts_tight_but_ordered_timeouts():
-    config = job(poll_interval_s=0.01, settle_s=0.0, decision_timeout_s=0.02, recovery_timeout_s=0.03,
-                 collective_timeout_s=0.04)
+    config = job(poll_interval_s=0.01, settle_s=0.0, recovery_timeout_s=0.03, collective_timeout_s=0.04)
     assert config.collective_timeout_s == 0.04
 
 

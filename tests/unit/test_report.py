@@ -80,11 +80,8 @@ def test_one_swap_summary(tmp_path):
         "rebuild_s": 0.5,               # slowest rank
         "resume_s": 1.5,                # kill -> swap_complete
         "replay_s": 0.625,              # swap_complete -> first step >= kill step
-        "total_s": 2.0,                 # kill -> first step of the new generation
-        "fault_to_next_step_s": 2.0,
-        "fault_to_frontier_s": 2.125,
-        "kill_to_next_step_s": 2.0,
-        "kill_to_frontier_s": 2.125,
+        "fault_to_next_step_s": 2.0,    # kill -> first step of the new generation
+        "fault_to_frontier_s": 2.125,   # kill -> first step >= kill step
     }]
     assert summary["exit_code"] == 0 and summary["error"] is None and summary["swaps"] == 1
     assert summary["steps_replayed"] == 1
@@ -113,8 +110,8 @@ def test_final_loss_of_a_replayed_last_step(tmp_path):
     summary = summarize(path, exit_code=0)
     assert summary["final_step"] == 6 and summary["final_loss"] == 2.375
     rec = summary["recoveries"][0]
-    assert rec["replay_s"] is None and rec["kill_to_frontier_s"] is None  # never got past the kill step
-    assert rec["total_s"] == 2.0
+    assert rec["replay_s"] is None and rec["fault_to_frontier_s"] is None  # never got past the kill step
+    assert rec["fault_to_next_step_s"] == 2.0
 
 
 def test_clean_run(tmp_path):
@@ -198,7 +195,7 @@ def test_recovery_without_injected_kill_starts_at_detection(tmp_path):
     assert rec["steps_replayed"] == 0
     assert rec["detect_s"] == 0.0
     assert rec["decide_s"] == 0.25 and rec["report_s"] == 0.25
-    assert rec["resume_s"] == 1.0 and rec["total_s"] == 1.5 and rec["replay_s"] == 0.5
+    assert rec["resume_s"] == 1.0 and rec["fault_to_next_step_s"] == 1.5 and rec["replay_s"] == 0.5
     assert rec["restore_s"] == 0.125 and rec["rebuild_s"] == 0.25
 
 
@@ -224,7 +221,7 @@ def test_two_swaps_first_is_attributed_to_its_kill(tmp_path):
     summary = summarize(path, exit_code=0)
     assert summary["swaps"] == 2
     first = summary["recoveries"][0]
-    assert (first["generation"], first["kill_step"], first["detect_s"], first["total_s"]) == (1, 7, 0.5, 2.0)
+    assert (first["generation"], first["kill_step"], first["detect_s"], first["fault_to_next_step_s"]) == (1, 7, 0.5, 2.0)
 
 
 def test_two_swaps_second_is_not_attributed_to_the_first_kill(tmp_path):

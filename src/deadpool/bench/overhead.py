@@ -34,14 +34,12 @@ the per-round figures).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
@@ -135,21 +133,12 @@ def parse_ranks(text: str) -> list[int]:
     return list(dict.fromkeys(ranks))
 
 
-def _example_module(name: str) -> ModuleType:
-    """examples/gpt/{name}.py, imported under a name of its own (the example's are generic: data, model)."""
-    spec = importlib.util.spec_from_file_location(f"deadpool_example_{name}", EXAMPLE.with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def parameter_counts(sizes: list[Size]) -> dict[str, int]:
     """The real parameter count of each preset: the example's model on its default text, built on the
     meta device (no memory)."""
     import torch
 
-    data, model = _example_module("data"), _example_module("model")
+    from deadpool.examples.gpt import data, model
     vocab = data.CharTokenizer(data.load_text(None)).vocab_size
     counts = {}
     for size in sizes:

@@ -92,7 +92,7 @@ def plot_recovery(out: Path, rows: list[dict[str, Any]], scale: list[dict[str, A
     groups = [(s, f) for s in systems for f in dict.fromkeys(r["fault"] for r in rows if r["system"] == s)]
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4))
     for offset, key, label in ((-0.2, "fault_to_next_step_s", "fault -> next step"),
-                               (0.2, "kill_to_frontier_s", "fault -> back at fault step")):
+                               (0.2, "fault_to_frontier_s", "fault -> back at fault step")):
         values = [sorted(r[key] for r in rows if (r["system"], r["fault"]) == g and r[key] is not None) for g in groups]
         reached = [(i, v) for i, v in enumerate(values) if v]
         medians = [v[len(v) // 2] for _, v in reached]
@@ -129,13 +129,13 @@ def plot_recovery(out: Path, rows: list[dict[str, Any]], scale: list[dict[str, A
     plt.close(fig)
     if scale:
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        recovered = [r for r in scale if r["kill_to_next_step_s"] is not None]
+        recovered = [r for r in scale if r["fault_to_next_step_s"] is not None]
         world = [r for r in recovered if r["axis"] == "world"]
         state = [r for r in recovered if r["axis"] == "state"]
-        left.plot([r["workers"] for r in world], [r["kill_to_next_step_s"] for r in world], "o-")
+        left.plot([r["workers"] for r in world], [r["fault_to_next_step_s"] for r in world], "o-")
         left.set_xlabel("ranks")
         left.set_ylabel("SIGKILL -> next step (s)")
-        right.plot([r["snapshot_bytes"] / 1e6 for r in state], [r["kill_to_next_step_s"] for r in state], "o-")
+        right.plot([r["snapshot_bytes"] / 1e6 for r in state], [r["fault_to_next_step_s"] for r in state], "o-")
         right.set_xlabel("snapshot per rank (MB)")
         for ax in (left, right):
             ax.set_ylim(bottom=0)

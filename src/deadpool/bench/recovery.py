@@ -74,8 +74,7 @@ def recovery_row(system: str, rep: int, events: list[dict[str, Any]],
     failure-free run did not, or more often. bitwise_equal compares every rank's final state and every
     step's loss with the same system's failure-free run.
 
-    Times run from the fault_injected event, whichever its kind ("kill" or "hang"); the kill_* names are
-    kept for existing readers (kill_to_next_step_s equals fault_to_next_step_s). A run that completed no
+    Times run from the fault_injected event, whichever its kind ("kill" or "hang"). A run that completed no
     step after the fault (stopped at the benchmark's hang wait) did not recover: its times, resumed_from
     and steps_lost are None, and the samples it never reached count as lost.
     """
@@ -92,8 +91,8 @@ def recovery_row(system: str, rep: int, events: list[dict[str, Any]],
     warmed = [e["t"] for e in events if e["event"] == "spare_warmed_up"]
     return {"system": system, "fault": fault["kind"], "rep": rep, "kill_step": fault["step"],
             "spare_warm_before_fault": min(warmed) < fault["t"] if warmed else None,
-            "resumed_from": resumed_from, "fault_to_next_step_s": to_next, "kill_to_next_step_s": to_next,
-            "kill_to_frontier_s": None if frontier is None else frontier["t"] - fault["t"],
+            "resumed_from": resumed_from, "fault_to_next_step_s": to_next,
+            "fault_to_frontier_s": None if frontier is None else frontier["t"] - fault["t"],
             "steps_lost": None if resumed_from is None else max(0, completed_before - resumed_from),
             "samples_lost": sum((expected - trained).values()),
             "samples_unexpected": sum((trained - expected).values()),
@@ -214,7 +213,7 @@ def scaling(out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         snapshot = max(e["bytes"] for e in events if e["event"] == "snapshot")  # step 0 has no optimizer state
         rows.append({**row, "axis": axis, "value": value, "workers": workers, "snapshot_bytes": snapshot})
         print(f"{axis} {value}: {workers} ranks, snapshot {snapshot / 1e6:.1f} MB/rank, kill -> next step "
-              f"{_seconds(row['kill_to_next_step_s'])}, bitwise_equal {row['bitwise_equal']}", flush=True)
+              f"{_seconds(row['fault_to_next_step_s'])}, bitwise_equal {row['bitwise_equal']}", flush=True)
     return rows
 
 
@@ -240,7 +239,7 @@ def table(rows: list[dict[str, Any]], hang_wait_s: float | None = None) -> str:
     for system, fault in groups:
         mine = [r for r in rows if r["system"] == system and r["fault"] == fault]
         lines.append(f"{system:>24} {fault:>9} {stat(mine, 'fault_to_next_step_s'):>26} "
-                     f"{stat(mine, 'kill_to_frontier_s'):>26} {distinct(mine, 'steps_lost'):>10} "
+                     f"{stat(mine, 'fault_to_frontier_s'):>26} {distinct(mine, 'steps_lost'):>10} "
                      f"{distinct(mine, 'samples_lost'):>12} {str(all(r['bitwise_equal'] for r in mine)):>8}")
     return "\n".join(lines)
 

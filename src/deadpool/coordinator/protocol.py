@@ -11,7 +11,7 @@ Recovery, as the store sees it (a set F of ranks fails in generation g; g+1 repl
                                        (g{g+1}/xfer/{rank}/), when they are not the same process
                              <-------  g{g+1}/ready/{rank} = intact snapshot steps
     choose restore step C
-    set g{g+1}/committed, target -->   restore C, join group g{g+1}, agree on (C, checksum)
+    set g{g+1}/committed, target -->   join group g{g+1}, restore C, agree on (C, checksum)
                              <-------  g{g+1}/resumed/{rank}
     set running/{g+1}                  (holders drop replicas of ranks they no longer hold)
 

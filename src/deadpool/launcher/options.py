@@ -12,8 +12,9 @@ from pathlib import Path
 
 from deadpool.config import FAULT_PHASES, Fault, JobConfig
 from deadpool.errors import ConfigError
+from deadpool.examples import GPT_DIR
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt" / "train.py"
+EXAMPLE = GPT_DIR / "train.py"  # the example trainer, shipped in the package (deadpool/examples)
 FAULT_FORMAT = "KIND:RANK[+RANK...]:STEP[:PHASE]"
 
 
@@ -83,7 +84,6 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
     p.add_argument("--hang-timeout", type=float, default=None,
                    help="s without progress while peers wait before a rank is fenced (default: adapts to the "
                         "step time, at least 3 s)")
-    p.add_argument("--decision-timeout", type=float, default=10.0, help="s a survivor waits for a new plan")
     p.add_argument("--recovery-timeout", type=float, default=30.0, help="s the coordinator waits for a recovery step")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="s before a collective gives up")
     p.add_argument("--fault", type=parse_faults, action="extend", default=[], metavar=FAULT_FORMAT,
@@ -114,7 +114,7 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
                   replicas=args.replicas, backlog_policy=args.backlog_policy, on_divergence=args.on_divergence,
                   seed=args.seed,
                   settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
-                  decision_timeout_s=args.decision_timeout, recovery_timeout_s=args.recovery_timeout,
+                  recovery_timeout_s=args.recovery_timeout,
                   collective_timeout_s=args.collective_timeout, faults=tuple(args.fault if faults is None else faults))
     return JobConfig(**{**fields, **overrides})
 

@@ -1,8 +1,8 @@
 """What one hot swap costs at a given world size and state size: a cost model per phase, fitted to our runs and
 to published figures.
 
-Phases of a swap (DESIGN.md, "Recovery protocol"), with N the world size in ranks (GPUs) and S the state of the
-failed node that the spare takes over, in bytes:
+Phases of a swap (runtime/recovery.py; README.md, "How it works": Recovery), with N the world size in ranks
+(GPUs) and S the state of the failed node that the spare takes over, in bytes:
 
     detect    crash: exit_notice_s (the node's agent sees the process exit);
               hang: the hang timeout the coordinator's own policy sets, max(3 s, 8 steps)
@@ -68,8 +68,8 @@ _GLOO_PER_RANK_S = statistics.linear_regression([2, 4, 8], [0.22, 0.26, 0.36]).s
 # Two ranks killed at once, rank 2's replica streamed from spare s0 to s1 (same file, "Failure sets"): report
 # took 0.168 s and 0.208 s against 0.104 s for a single kill, so 38.5 MB crossed loopback in 0.084 s on average.
 _LOOPBACK_BYTES_PER_S = _SNAPSHOT_BYTES / ((0.168 + 0.208) / 2 - _REPORT_S)
-# ncclCommShrink, published: 1.5 s at 32 GPUs and 2.0 s at 1,024 (quoted in DESIGN.md; we have not reproduced
-# them): 1.0 s + 0.1 s per doubling of the world.
+# ncclCommShrink, published: 1.5 s at 32 GPUs and 2.0 s at 1,024 (quoted in our design notes, which are not in
+# this repository, without the measurement's source; we have not reproduced them): 1.0 s + 0.1 s per doubling.
 _SHRINK_PER_DOUBLING_S = (2.0 - 1.5) / (math.log2(1024) - math.log2(32))
 _SHRINK_S = 1.5 - _SHRINK_PER_DOUBLING_S * math.log2(32)
 # A full NCCL initialization at 96K GPUs took about 265 s (stock NCCL, reported with NCCLX, arXiv 2510.20171;

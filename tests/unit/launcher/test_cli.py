@@ -77,7 +77,7 @@ def test_run_defaults():
     assert config == JobConfig(script="train.py", script_args=(), workers=2, spares=0, run_dir="/tmp/out",
                                store_host="127.0.0.1", store_port=0, backend="auto", snapshot_every=1,
                                snapshot_budget=0.01, backlog_policy="wait", settle_s=0.05, hang_timeout_s=None,
-                               decision_timeout_s=10.0, recovery_timeout_s=30.0, collective_timeout_s=60.0, faults=())
+                               recovery_timeout_s=30.0, collective_timeout_s=60.0, faults=())
     assert args.command == "run" and args.out is None
 
 
@@ -85,7 +85,7 @@ def test_run_with_every_option():
     args = build_parser().parse_args([
         "run", "--nproc-per-node", "4", "--spares", "2", "--snapshot-every", "auto", "--snapshot-budget", "0.05",
         "--backlog-policy", "skip", "--backend", "gloo", "--master-addr", "10.0.0.1", "--master-port", "29500",
-        "--decision-timeout", "5", "--recovery-timeout", "20", "--collective-timeout", "40",
+        "--recovery-timeout", "20", "--collective-timeout", "40",
         "--settle-window", "0.2", "--hang-timeout", "6",
         "--fault", "kill:3:15:forward", "--fault", "corrupt_replica:1:10", "--fault", "hang:0+1:4", "--out", "runs/x",
         "train.py", "--steps", "40", "--lr", "0.1"])
@@ -94,7 +94,7 @@ def test_run_with_every_option():
     assert config == JobConfig(
         script="train.py", script_args=("--steps", "40", "--lr", "0.1"), workers=4, spares=2, run_dir="runs/x",
         store_host="10.0.0.1", store_port=29500, backend="gloo", snapshot_every="auto", snapshot_budget=0.05,
-        backlog_policy="skip", settle_s=0.2, hang_timeout_s=6.0, decision_timeout_s=5.0, recovery_timeout_s=20.0,
+        backlog_policy="skip", settle_s=0.2, hang_timeout_s=6.0, recovery_timeout_s=20.0,
         collective_timeout_s=40.0,
         faults=(Fault(kind="kill", rank=3, step=15, phase="forward"), Fault(kind="corrupt_replica", rank=1, step=10),
                 Fault(kind="hang", rank=0, step=4), Fault(kind="hang", rank=1, step=4)))
@@ -116,8 +116,8 @@ def test_job_config_validates_fault_rank_against_workers():
 
 
 def test_job_config_validates_timeout_order():
-    args = build_parser().parse_args(["run", "--decision-timeout", "40", "train.py"])
-    with pytest.raises(ConfigError, match=r"^timeouts must satisfy 0 < decision-timeout < recovery-timeout"):
+    args = build_parser().parse_args(["run", "--recovery-timeout", "60", "train.py"])
+    with pytest.raises(ConfigError, match=r"^timeouts must satisfy 0 < recovery-timeout < collective-timeout"):
         job_config(args, args.script, args.script_args, Path("out"))
 
 

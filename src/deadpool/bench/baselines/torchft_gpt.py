@@ -56,7 +56,6 @@ import argparse
 import logging
 import os
 import random
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -67,7 +66,6 @@ import torch
 import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 
-import deadpool
 from deadpool.bench.baselines.torchrun_dcp import (
     Events,
     add_example_arguments,
@@ -78,10 +76,8 @@ from deadpool.bench.baselines.torchrun_dcp import (
     set_rng_state,
     state_sha256,
 )
-
-sys.path.insert(0, str(Path(deadpool.__file__).resolve().parents[2] / "examples" / "gpt"))
-from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from deadpool.examples.gpt.data import BatchSampler, CharTokenizer, load_text, make_batch
+from deadpool.examples.gpt.model import GPT, GPTConfig
 
 START_KEY = "torchft_gpt/started"  # in the launcher's start store: replicas whose manager is up
 MAX_DISCARDED_IN_A_ROW = 10  # then should_commit() raises instead of retrying forever

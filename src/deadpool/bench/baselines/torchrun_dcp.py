@@ -64,11 +64,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import deadpool
-
-sys.path.insert(0, str(Path(deadpool.__file__).resolve().parents[2] / "examples" / "gpt"))
-from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from deadpool.examples.gpt.data import BatchSampler, CharTokenizer, load_text, make_batch
+from deadpool.examples.gpt.model import GPT, GPTConfig
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 SAVE_TIMEOUT_S = 600.0  # the longest a rank waits for a background save to finish
