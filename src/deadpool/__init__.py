@@ -3,7 +3,8 @@
 A training script calls `init()`, wraps its model, registers its state and hands its step to
 `Session.run`; `deadpool run` starts it on workers and spares. The runtime (and torch) is imported on
 first use, so that the coordinator (coordinator/), which never imports torch, can import this package.
-The launcher does import torch: it hosts the control-plane TCPStore and counts the GPUs (launcher/launch.py).
+The launcher does import torch: it counts the GPUs (launcher/launch.py); the control-plane store it hosts
+(protocol/store.py) does not.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ def imported_by(module: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["deadpool.coordinator.server", "deadpool.launcher.agent"])
+@pytest.mark.parametrize("module", ["deadpool.coordinator.server", "deadpool.launcher.agent", "deadpool.protocol.store",
+                                    "deadpool.protocol.secret"])
 def test_the_coordinator_imports_neither_torch_nor_the_runtime(module):
     loaded = imported_by(module)
     assert "torch" not in loaded
