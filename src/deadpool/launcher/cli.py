@@ -107,7 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
                                "recovered and all its processes are killed")
     recovery.add_argument("--out", type=Path, default=None)
     sim_cli.add_parser(sub)
+    _show_defaults(parser)
     return parser
+
+
+class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, unless the help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every command's --help shows every option's default, subcommands included."""
+    parser.formatter_class = _WithDefaults
+    for action in parser._actions:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS:
+            action.help = "default: %(default)s"  # argparse prints no line at all for an option without help
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for command in getattr(action, "choices", {}).values():
+            _show_defaults(command)
 
 
 def _terminated(signum: int, _frame: object) -> None:

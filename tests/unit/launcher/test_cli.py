@@ -153,3 +153,22 @@ def test_nodes_take_torchruns_flags():
 def test_bad_node_options_are_refused_with_a_reason(argv, complaint):
     with pytest.raises(ConfigError, match=re.escape(complaint)):
         job_config(build_parser().parse_args(argv), "train.py", [], Path("out"))
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for command in action.choices.values():
+            found += _commands(command)
+    return found
+
+
+def test_every_option_of_every_command_shows_its_default_in_help():
+    parsers = _commands(build_parser())
+    assert len(parsers) >= 8  # deadpool, run, coordinator, agent, demo, bench, its two, simulate
+    for parser in parsers:
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.option_strings and action.default is not argparse.SUPPRESS:
+                assert action.help and "default" in formatter._get_help_string(action), (parser.prog,
+                                                                                         action.option_strings)
