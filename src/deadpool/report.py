@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from deadpool.config import Fault
 from deadpool.events import read_events
 
 
@@ -77,7 +78,25 @@ def replica_memory(events: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(memory.items()))
 
 
-def summarize(path: Path, exit_code: int) -> dict[str, Any]:
+def unfired_faults(faults: tuple[Fault, ...], events: list[dict[str, Any]]) -> list[str]:
+    """The planned faults that never fired, each with why, as far as the events tell: a fault that silently
+    did nothing would make a test or a benchmark claim what it never showed."""
+    fired = {(e["kind"], e["target_rank"], e["step"], e.get("phase")) for e in events if e["event"] == "fault_injected"}
+    last = max((e["step"] for e in events if e["event"] == "step"), default=0)
+    unfired = []
+    for fault in faults:
+        phase = None if fault.kind == "corrupt_replica" else fault.phase  # a replica's fault has no phase
+        if (fault.kind, fault.rank, fault.step, phase) in fired:
+            continue
+        spec = f"{fault.kind}:{fault.rank}:{fault.step}" + (f":{phase}" if phase else "")
+        why = (f"the run ended at step {last}" if fault.step > last else
+               f"rank {fault.rank} never reached {phase} in step {fault.step}" if phase else
+               f"no holder kept rank {fault.rank}'s snapshot of step {fault.step}")
+        unfired.append(f"fault {spec} never fired: {why}")
+    return unfired
+
+
+def summarize(path: Path, exit_code: int, faults: tuple[Fault, ...] = ()) -> dict[str, Any]:
     events = list(read_events(path))
     losses = final_losses(events)
     recoveries = [_recovery(events, e) for e in events if e["event"] == "swap_complete"]
@@ -97,6 +116,7 @@ def summarize(path: Path, exit_code: int) -> dict[str, Any]:
         "rank_state_sha256": hashes,
         "losses": {str(r): [steps[s] for s in sorted(steps)] for r, steps in sorted(losses.items())},
         "replica_memory_bytes": replica_memory(events),
+        "faults_not_fired": unfired_faults(faults, events),
         "pool_refills": [{"nodes": e["nodes"], "spares": e["procs"], "restored_step": e["restored_step"],
                           "took_s": e["took_s"]} for e in events if e["event"] == "pool_refilled"],
     }

@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+from deadpool.config import Fault
 from deadpool.protocol.secret import read_secret
 from deadpool.protocol.store import StoreClient
 
@@ -71,7 +72,8 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
     """The reference job (4 workers, 1 spare), attacked while it trains: every listener of the launcher and its
     processes is on loopback; torch's client, a wrong secret and a replayed capture are refused and logged,
     can read and write nothing; the job ends bit for bit as the reference."""
-    job = Background(tmp_path / "run", script=SCRIPTS / "slow_steps.py", script_prefix=("1.0",))  # time to attack
+    job = Background(tmp_path / "run", script=SCRIPTS / "slow_steps.py", script_prefix=("1.0",),  # time to attack
+                     faults=(Fault(kind="kill", rank=1, step=99),))  # never fires: reported, disturbs nothing
     events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 2)
     pids = [os.getpid()] + [e["pid"] for e in events if e["event"] == "process_spawned"]
     port = next(e["port"] for e in events if e["event"] == "job_start")
@@ -95,6 +97,7 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
 
     done = job.join()
     assert_same_training(done, reference)
+    assert done.summary["faults_not_fired"] == ["fault kill:1:99:backward never fired: the run ended at step 10"]
     refusals = [e["reason"] for e in done.named("control_plane_refused")]
     assert refusals[:2] == ["the client does not hold the job's secret"] * 2  # the wrong secret, the replay
     assert refusals[2:] and all(r.startswith("no valid handshake") for r in refusals[2:])  # torch's client retries

@@ -6,6 +6,7 @@ Times are multiples of 1/8 so that every difference below is exact in floating p
 import hashlib
 import json
 
+from deadpool.config import Fault
 from deadpool.report import final_losses, summarize
 
 
@@ -124,7 +125,22 @@ def test_clean_run(tmp_path):
         "final_loss": 3.25, "final_state_sha256": hashlib.sha256(b"a0b1").hexdigest(),
         "rank_state_sha256": ["a0", "b1"],
         "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {}, "pool_refills": [],
+        "faults_not_fired": [],
     }
+
+
+def test_faults_that_never_fired_are_named_with_why(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, steps(0, 1, 3, 1.0, GEN0_LOSS) + [
+        ev("fault_injected", 1.5, 0, 1, kind="kill", target_rank=1, step=2, phase="backward"),
+        ev("fault_injected", 1.6, 0, None, kind="corrupt_replica", target_rank=0, step=2)])
+    faults = (Fault(kind="kill", rank=1, step=2), Fault(kind="corrupt_replica", rank=0, step=2),  # fired
+              Fault(kind="kill", rank=1, step=99), Fault(kind="hang", rank=0, step=3, phase="recovery"),
+              Fault(kind="corrupt_replica", rank=1, step=1))
+    assert summarize(path, exit_code=0, faults=faults)["faults_not_fired"] == [
+        "fault kill:1:99:backward never fired: the run ended at step 3",
+        "fault hang:0:3:recovery never fired: rank 0 never reached recovery in step 3",
+        "fault corrupt_replica:1:1 never fired: no holder kept rank 1's snapshot of step 1"]
 
 
 def test_pool_refills_name_the_nodes_that_joined(tmp_path):

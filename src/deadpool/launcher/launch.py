@@ -135,8 +135,10 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
             events.close()
         if network is not None:
             network.remove()
-    summary = summarize(run_dir / "events.jsonl", exit_code=code)
+    summary = summarize(run_dir / "events.jsonl", exit_code=code, faults=config.faults)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    for line in summary["faults_not_fired"] if echo is not None else ():
+        print(f"[deadpool] {line}", file=echo, flush=True)
     return code, summary
 
 
