@@ -94,6 +94,8 @@ def advance(s: State, inputs: Inputs, now: float) -> tuple[State, tuple[Effect, 
 # ---- exits --------------------------------------------------------------------------------
 
 def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
+    """A process ended: a rank finished, the script has a bug (the job stops), or a failure joins the set
+    being settled (a recovery in flight is planned again with it)."""
     verdict = classify_exit(x.returncode, fenced=x.name in s.fenced, started=x.started,
                             script_error=x.script_error.error if x.script_error else None,
                             lost_with_node=x.lost_with_node)
@@ -138,6 +140,7 @@ def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> St
 # ---- the phases ---------------------------------------------------------------------------
 
 def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
+    """What the phase waits for: reports to commit and hangs (steady), a window or a deadline, or every rank."""
     if s.phase is Phase.STEADY:
         s = _commit(s, inputs.durable, out)
         if s.exit_code is not None:
