@@ -118,6 +118,10 @@ class Keys:
     def shutdown(self) -> str:
         return self._k("shutdown")
 
+    def status(self) -> str:
+        """The job-status record (coordinator/status.py), rewritten by the coordinator whenever it changes."""
+        return self._k("status")
+
     # per process, across generations
     def started(self, proc: str) -> str:
         """Set by deadpool.init(): a process that exits without it failed before DeadPool ran."""

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="worker(s) to fail at the same point, e.g. 2 or 0,2 (default: a random one)")
     demo.add_argument("--out", type=Path, default=None)
 
+    status = sub.add_parser("status", help="where a job stands: generation, ranks, spares, commits, recoveries")
+    status.add_argument("run_dir", type=Path, help="the job's run directory (--out)")
+    status.add_argument("--json", action="store_true", help="the status record as JSON")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     overhead = bench_sub.add_parser("overhead", help="step time: DeadPool snapshots vs DCP checkpoints, by size, ranks")
@@ -160,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return agent_main(args.coordinator, None if args.spare else args.node_rank, args.out, args.connect_timeout,
                               args.secret_file)
+        if args.command == "status":
+            from deadpool.launcher.status import status_main
+
+            return status_main(args.run_dir, args.json)
         if args.command == "simulate":
             return sim_cli.main(args)
         if args.command == "demo":

@@ -1,0 +1,296 @@
+"""The coordinator as a pure function: advance(state, inputs, now) -> (state, effects). No I/O, no clock, no torch.
+
+    STEADY --a process fails, or is fenced as hung--> SETTLING (gather the failures that arrive together)
+    SETTLING --window over: policy.plan_after_failures, publish plan g+1, abort g--> AWAIT_READY
+    AWAIT_READY --every rank reported its intact steps: policy.choose_restore_step--> AWAIT_RESUMED
+    AWAIT_RESUMED --every rank agreed and rejoined--> STEADY
+    any recovery phase --another failure--> SETTLING (the new set is planned from the last steady plan)
+    SETTLING --no spare left, a spare node awaited (policy.wait_for_spare)--> AWAIT_SPARE
+    AWAIT_SPARE --a spare node's spares started, or --spare-wait is over--> decided again, as from SETTLING
+    STEADY --a spare node's spares started: policy.plan_after_join, publish g+1--> AWAIT_READY
+
+In STEADY the machine also checks that data-parallel replicas agree (policy.check_replicas), commits
+snapshots (policy.commit_step), looks for hangs (policy.hang_verdict) and admits spare nodes that joined
+the running job (a join in any other phase waits in the state until then).
+A script error ends the job at once without a swap; a deadline missed, or a decision with no answer,
+ends it with the earliest failure as its root cause. The shell (server.py) gathers the inputs, calls
+`advance` with its clock, and applies the effects in order; exits come first, then the phase's tick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Mapping
+
+from deadpool.config import JobConfig
+from deadpool.coordinator.policy import (
+    DIVERGENCE_CAUSES,
+    FINISHED,
+    SCRIPT_ERROR,
+    Divergence,
+    Durable,
+    Pulse,
+    abandoned_steps,
+    check_replicas,
+    choose_restore_step,
+    classify_exit,
+    commit_step,
+    hang_timeout,
+    hang_verdict,
+    initial_plan,
+    node_map,
+)
+from deadpool.coordinator.pool import admit, await_spare, decide, refill
+from deadpool.coordinator.state import (
+    CoordinatorState,
+    Effect,
+    Emit,
+    ExitReport,
+    Failure,
+    Fence,
+    Hang,
+    Heartbeat,
+    Inputs,
+    Liveness,
+    MarkRunning,
+    Phase,
+    Say,
+    Spawn,
+    Swap,
+    WriteCommit,
+    WriteTarget,
+)
+from deadpool.coordinator.status import Recovery
+from deadpool.coordinator.transitions import drop_joining, end, fail, publish, with_status
+
+State = CoordinatorState
+
+
+def start(config: JobConfig) -> tuple[State, tuple[Effect, ...]]:
+    """Generation 0: step 0 counts as committed before anything runs, the plan, then every process."""
+    spares = tuple(f"s{i}" for i in range(config.spares))
+    plan = initial_plan(config.workers, spares, replicate=config.snapshot_every != 0, replicas=config.replicas,
+                        nodes=node_map(config.workers, config.spares, config.nproc_per_node))
+    out: list[Effect] = [WriteCommit(0, None, ())]
+    s = publish(State(config=config, steady=plan, plan=plan), plan, out)
+    out += [Spawn(name, "worker", rank) for rank, name in enumerate(plan.ranks)]
+    out += [Spawn(name, "spare", plan.world_size + i) for i, name in enumerate(plan.spares)]
+    return with_status(s, out)
+
+
+def advance(s: State, inputs: Inputs, now: float) -> tuple[State, tuple[Effect, ...]]:
+    """One tick: the exits first (any of them may end the job), then what the phase waits for."""
+    assert s.exit_code is None, "the job has ended"
+    out: list[Effect] = []
+    if inputs.joined:
+        s = replace(s, joins={**s.joins, **inputs.joined})
+    for exit_ in inputs.exits:
+        s = on_exit(s, exit_, now, out)
+        if s.exit_code is not None:
+            return with_status(s, out)
+    return with_status(_tick(s, inputs, now, out), out)
+
+
+# ---- exits --------------------------------------------------------------------------------
+
+def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
+    """A process ended: a rank finished, the script has a bug (the job stops), or a failure joins the set
+    being settled (a recovery in flight is planned again with it)."""
+    verdict = classify_exit(x.returncode, fenced=x.name in s.fenced, started=x.started,
+                            script_error=x.script_error.error if x.script_error else None,
+                            lost_with_node=x.lost_with_node)
+    rank = s.plan.rank_of(x.name)
+    joining = next((node for node, j in s.joining.items() if x.name in j.procs), None)
+    if joining is not None:  # before it entered the pool: the pool stays as it is
+        return drop_joining(s, joining, f"{x.name} {verdict.reason}", out)
+    if verdict.value == FINISHED:
+        if rank is None:
+            return s
+        s = replace(s, finished=s.finished | {x.name})
+        return end(s, out) if s.finished >= set(s.plan.ranks) else s
+    if verdict.value == SCRIPT_ERROR:
+        return _script_error(s, x, verdict.reason, out)
+    if x.name in s.lost or (rank is None and x.name not in s.plan.spares and x.name not in s.steady.spares):
+        return s  # already replaced: its exit changes nothing
+    who = f"rank {rank} ({x.name}, pid {x.pid})" if rank is not None else f"spare {x.name} (pid {x.pid})"
+    out.append(Emit("failure_detected", dict(proc=x.name, failed_rank=rank, exit=verdict.reason,
+                                             returncode=x.returncode, during=s.phase.value)))
+    out.append(Say(f"{who} {verdict.reason}"))
+    swap = s.swap or Swap(detected_t=now, cause=f"{who} {verdict.reason}")
+    s = replace(s, root_cause=s.root_cause or f"{who} {verdict.reason}", lost=s.lost | {x.name},
+                swap=replace(swap, failed=(*swap.failed, Failure(x.name, rank, verdict.reason, who))))
+    if s.phase is not Phase.SETTLING:
+        s = replace(s, phase=Phase.SETTLING, deadline=now + s.config.settle_s)
+    return s
+
+
+def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> State:
+    """A bug in the script: replaying it on a spare would raise it again, so the job stops here."""
+    report, where = x.script_error, x.name
+    if report and report.rank is not None:
+        where = f"rank {report.rank} ({x.name}) at step {report.step}"
+    message = (f"error in the training script on {where}: {reason.removeprefix('the training script ')}. "
+               "This is a bug in the script, not a node failure, so no spare was used; the traceback is "
+               f"above (and in logs/{x.name}.log). Fix the script and run again.")
+    out.append(Emit("script_error", dict(proc=x.name, rank=report.rank if report else None,
+                                         step=report.step if report else None, error=reason)))
+    return fail(replace(s, root_cause=None), message, out)
+
+
+# ---- the phases ---------------------------------------------------------------------------
+
+def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
+    """What the phase waits for: reports to commit and hangs (steady), a window or a deadline, or every rank."""
+    if s.phase is Phase.STEADY:
+        s = _commit(s, inputs.durable, out)
+        if s.exit_code is not None:
+            return s
+        s = _look_for_hangs(s, inputs.beats, now, out)
+        if s.swap is None and not s.finished:
+            s, new = admit(s, inputs.started, now, out)
+            s = refill(s, new, now, out)
+        return s
+    if s.phase is Phase.AWAIT_SPARE:
+        return await_spare(s, inputs.started, now, out)
+    if s.phase is Phase.SETTLING:
+        return decide(s, now, out) if now >= s.deadline else s
+    gen, world = s.plan.generation, range(s.plan.world_size)
+    reported = set(inputs.ready) if s.phase is Phase.AWAIT_READY else inputs.resumed
+    missing = [r for r in world if r not in reported]
+    if missing:
+        if now > s.deadline:
+            what = "report their snapshots" if s.phase is Phase.AWAIT_READY else "rejoin"
+            return fail(s, f"ranks {missing} did not {what} within {s.config.recovery_timeout_s} s "
+                           f"of generation {gen}", out)
+        return s
+    if s.phase is Phase.AWAIT_READY:
+        return _choose_target(s, inputs.ready, now, out)
+    return _complete(s, now, out)
+
+
+def _commit(s: State, reports: Mapping[int, Durable], out: list[Effect]) -> State:
+    """Checks that data-parallel replicas agree, then commits the newest step every rank holds durably;
+    the one writer of g{gen}/committed. A step is checked before it can be committed."""
+    check = check_replicas(s.agreed, reports)
+    s = replace(s, agreed=check.agreed)
+    if check.divergence is not None:
+        s = _diverged(s, check.divergence, check.reason, out)
+        if s.exit_code is not None:
+            return s
+    decision = commit_step(s.committed, reports)
+    committed = decision.value if decision.ok else s.committed
+    abandoned = tuple(abandoned_steps(committed, reports))
+    if committed == s.committed and abandoned == s.abandoned:
+        return s
+    out.append(WriteCommit(s.plan.generation, committed, abandoned))
+    if decision.ok:
+        out.append(Emit("commit", dict(step=committed, reason=decision.reason)))
+    return replace(s, committed=committed, abandoned=abandoned)
+
+
+def _diverged(s: State, divergence: Divergence, reason: str, out: list[Effect]) -> State:
+    """Replicas that must be identical are not: the run is no longer the one the user started."""
+    action = s.config.on_divergence
+    out.append(Emit("divergence", dict(step=divergence.step, groups=[list(g) for g in divergence.groups],
+                                       agreed=divergence.agreed, action=action)))
+    s = replace(s, agreed=divergence.step)  # then go on checking the next steps
+    if action == "warn":
+        if s.warned != s.plan.generation:  # said once per generation; every step is in the events
+            out.append(Say(f"warning: replicas diverged {reason}. Usual causes: {DIVERGENCE_CAUSES}. "
+                           "Going on (--on-divergence warn).", error=True))
+            s = replace(s, warned=s.plan.generation)
+        return s
+    return fail(replace(s, root_cause=None), f"replicas diverged {reason}. Data-parallel replicas must stay "
+                f"bit-identical; these no longer are, so the run is not the one you started. Usual causes: "
+                f"{DIVERGENCE_CAUSES}. Fix the script (or pass --on-divergence warn to go on anyway).", out)
+
+
+def _observe(seen: Liveness, beat: Heartbeat | None, gen: int, now: float) -> Liveness:
+    """Any new heartbeat of this generation is a sign of life; a new (step, phase, marks) is progress."""
+    if beat is None or beat == seen.beat:
+        return seen
+    if beat.gen != gen:
+        return replace(seen, beat=beat)
+    progress = (beat.step, beat.phase, beat.marks)
+    if progress == seen.progress:
+        return replace(seen, beat=beat, beat_t=now)
+    return replace(seen, beat=beat, beat_t=now, progress=progress, progress_t=now)
+
+
+def _look_for_hangs(s: State, beats: Mapping[str, Heartbeat], now: float, out: list[Effect]) -> State:
+    """Updates every rank's liveness; fences the ranks the policy calls hung (their exit follows)."""
+    gen = s.plan.generation
+    procs = [p for p in s.plan.ranks if p not in s.fenced]
+    live = dict(s.live)
+    pulses: dict[int, Pulse] = {}
+    for proc in procs:
+        seen = live[proc] = _observe(live.get(proc) or Liveness(now, now), beats.get(proc), gen, now)
+        if seen.beat is not None and seen.beat.gen == gen:
+            pulses[s.plan.ranks.index(proc)] = Pulse(seen.beat_t, seen.progress_t, seen.beat.step, seen.beat.phase,
+                                                     seen.beat.waiting)
+    s = replace(s, live=live)
+    if len(pulses) < len(procs):
+        return s  # detection starts once every rank of this generation has a heartbeat
+    timeout = hang_timeout(s.config.hang_timeout_s, [v.beat.step_s for v in live.values() if v.beat and v.beat.step_s])
+    if abs((timeout.value or 0) - s.announced) > 0.2 * s.announced:  # say so when it moves by > 20 %
+        out.append(Emit("hang_timeout", dict(timeout_s=timeout.value, reason=timeout.reason)))
+        s = replace(s, announced=timeout.value or 0, announced_reason=timeout.reason)
+    verdict = hang_verdict(now, pulses, timeout.value or float("inf"))
+    for rank in sorted(verdict.value or ()):
+        proc, pulse = s.plan.ranks[rank], pulses[rank]
+        last = min(pulse.beat_t, pulse.progress_t)
+        out.append(Emit("hang_detected", dict(proc=proc, hung_rank=rank, step=pulse.step, phase=pulse.phase,
+                                              last_progress_t=last, silent_s=now - last, timeout_s=timeout.value,
+                                              reason=verdict.reason)))
+        out.append(Say(f"rank {rank} ({proc}) is hung: {verdict.reason}; fencing it (SIGKILL)"))
+        swap = s.swap or Swap(detected_t=now, cause=f"rank {rank} ({proc}) hung: {verdict.reason}",
+                              hang=Hang(rank, proc, last, now))
+        s = replace(s, fenced=s.fenced | {proc}, swap=swap, root_cause=s.root_cause or swap.cause)
+        out.append(Fence(proc))
+    return s
+
+
+# ---- recovery -----------------------------------------------------------------------------
+
+def _choose_target(s: State, holdings: Mapping[int, list[int]], now: float, out: list[Effect]) -> State:
+    gen = s.plan.generation
+    decision = choose_restore_step(s.committed, holdings)
+    out.append(Emit("restore_decided", dict(target=decision.value, reason=decision.reason, holdings=dict(holdings))))
+    if decision.value is None:
+        return fail(s, f"cannot recover from memory: {decision.reason}", out)
+    out += [WriteCommit(gen, decision.value, ()), WriteTarget(gen, decision.value)]
+    return replace(s, committed=decision.value, abandoned=(), agreed=decision.value,  # replayed steps: checked again
+                   phase=Phase.AWAIT_RESUMED, deadline=now + s.config.recovery_timeout_s)
+
+
+def _complete(s: State, now: float, out: list[Effect]) -> State:
+    swap, refilled = s.swap, s.refill
+    assert swap is not None or refilled is not None
+    gen = s.plan.generation
+    if swap is not None:
+        s = _swapped(s, swap, now, out)
+    if refilled is not None:
+        out.append(Emit("pool_refilled", dict(nodes=list(refilled.nodes), procs=list(refilled.procs),
+                                              spares=list(s.plan.spares), holders=[list(h) for h in s.plan.holders],
+                                              restored_step=s.committed, took_s=now - refilled.t)))
+        out.append(Say(f"generation {gen} running: spare node(s) {list(refilled.nodes)} joined the pool "
+                       f"({', '.join(refilled.procs)}); idle spares now: {', '.join(s.plan.spares) or 'none'}"))
+    out.append(MarkRunning(gen))
+    return replace(s, swap=None, refill=None, steady=s.plan, lost=frozenset(), live={}, phase=Phase.STEADY,
+                   deadline=float("inf"), root_cause=None)  # recovered: a later failure is its own root cause
+
+
+def _swapped(s: State, swap: Swap, now: float, out: list[Effect]) -> State:
+    gen, target = s.plan.generation, s.committed
+    replaced = {r: p for r, p in enumerate(s.plan.ranks) if p != s.steady.ranks[r]}
+    took = now - swap.detected_t
+    cause = swap.cause if len(swap.failed) < 2 else "; ".join(f"{f.who} {f.exit}" for f in swap.failed)
+    out.append(Emit("swap_complete", dict(restored_step=target, replaced=replaced, cause=cause,
+                                          failed=[asdict(f) for f in swap.failed],
+                                          hang=asdict(swap.hang) if swap.hang else None,
+                                          detected_t=swap.detected_t, detect_to_resume_s=took)))
+    out.append(Say(f"generation {gen} running: restored step {target}; "
+                   + ", ".join(f"{p} is now rank {r}" for r, p in replaced.items())
+                   + f" ({took:.2f} s after detection)"))
+    done = Recovery(gen, cause, target, took, {str(r): p for r, p in replaced.items()})
+    return replace(s, recoveries=(*s.recoveries, done))

@@ -1,0 +1,257 @@
+"""The coordinator's typed values: its state, the inputs its shell gathers each tick, the effects it applies.
+
+Everything here is immutable: `machine.advance` returns a new state instead of changing one, so a test can
+hold any state, feed it inputs with a fake clock and compare what comes out. No I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from deadpool.config import JobConfig
+from deadpool.coordinator.policy import Durable
+from deadpool.coordinator.protocol import Plan
+from deadpool.coordinator.status import JobStatus, Recovery
+
+
+class Phase(enum.Enum):
+    STEADY = "steady"
+    SETTLING = "settling"
+    AWAIT_READY = "await_ready"
+    AWAIT_RESUMED = "await_resumed"
+    AWAIT_SPARE = "await_spare"
+
+
+# ---- records ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Failure:
+    """One process lost in a recovery; its fields are the swap_complete event's `failed` entries."""
+
+    proc: str
+    rank: int | None
+    exit: str  # how it ended, as a user reads it (policy.classify_exit's reason)
+    who: str   # "rank 1 (w1, pid 42)" or "spare s0 (pid 43)"
+
+
+@dataclass(frozen=True)
+class Hang:
+    """The verdict that started a recovery, when a hang did: the swap_complete event's `hang`."""
+
+    rank: int
+    proc: str
+    last_progress_t: float
+    verdict_t: float
+
+
+@dataclass(frozen=True)
+class Swap:
+    """The recovery in flight, from its first failure to the generation that completes it."""
+
+    detected_t: float
+    cause: str
+    failed: tuple[Failure, ...] = ()
+    hang: Hang | None = None
+
+
+@dataclass(frozen=True)
+class Joining:
+    """A spare node that joined the running job, while its spares start."""
+
+    host: str
+    procs: Mapping[str, int]  # its spares -> their placeholder ranks
+    deadline: float           # by when they must have started (--connect-timeout)
+
+
+@dataclass(frozen=True)
+class Refill:
+    """Spare nodes entering the pool, from their spares' start to the generation that places replicas on them."""
+
+    t: float
+    nodes: tuple[int, ...]
+    procs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One rank's pulse as its watch thread writes it (runtime/watch.py); any change is a sign of life."""
+
+    gen: int
+    beat: int
+    step: int
+    phase: str
+    marks: int
+    waiting: bool
+    step_s: float | None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Heartbeat:
+        raw = json.loads(text)
+        return cls(raw["gen"], raw["beat"], raw["step"], raw["phase"], raw["marks"], raw["waiting"], raw["step_s"])
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The coordinator's view of one rank's heartbeat, on its own clock."""
+
+    beat_t: float
+    progress_t: float
+    beat: Heartbeat | None = None                 # the last heartbeat read
+    progress: tuple[int, str, int] = (-1, "", 0)  # step, phase, marks: any change is progress
+
+
+@dataclass(frozen=True)
+class ScriptError:
+    """What the runtime reports when the user's script raised (runtime/session.py)."""
+
+    rank: int | None
+    step: int | None
+    error: str
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ScriptError:
+        raw = json.loads(text)
+        return cls(raw["rank"], raw["step"], raw["error"])
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExitReport:
+    """A process that ended, with what the store says about it."""
+
+    name: str
+    returncode: int
+    pid: int | None
+    started: bool                       # it reached deadpool.init()
+    script_error: ScriptError | None = None
+    lost_with_node: str | None = None   # no exit of its own: its node was lost ("node 2 (why)")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the shell read in one tick. Reports are read for the phase the state was in before the tick."""
+
+    exits: tuple[ExitReport, ...] = ()
+    joined: Mapping[int, str] = field(default_factory=dict)   # spare nodes that joined: node -> host
+    durable: Mapping[int, Durable] = field(default_factory=dict)  # steady: rank -> its durable report
+    beats: Mapping[str, Heartbeat] = field(default_factory=dict)  # steady: rank's process -> its heartbeat
+    ready: Mapping[int, list[int]] = field(default_factory=dict)  # awaiting ready: rank -> intact steps
+    resumed: frozenset[int] = frozenset()                          # awaiting resumed: ranks that rejoined
+    started: frozenset[str] = frozenset()                          # joining spares that reached init()
+
+
+# ---- effects ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PublishPlan:
+    """Empty durable reports, then the plan, then the generation number (and the events' generation)."""
+
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class Abort:
+    gen: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class WriteCommit:
+    gen: int
+    step: int | None
+    abandoned: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WriteTarget:
+    gen: int
+    step: int
+
+
+@dataclass(frozen=True)
+class MarkRunning:
+    gen: int
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Resets the process's heartbeat, starts it, and logs process_spawned with its pid."""
+
+    name: str
+    role: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class Fence:
+    name: str
+
+
+@dataclass(frozen=True)
+class Relabel:
+    name: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Emit:
+    event: str
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Say:
+    text: str
+    error: bool = False  # to stderr
+
+
+@dataclass(frozen=True)
+class PublishStatus:
+    status: JobStatus
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The job ends: `failed` fences every live process first; the shutdown key says how it ended."""
+
+    how: str  # "done" or "failed"
+    grace_s: float
+
+
+Effect = (PublishPlan | Abort | WriteCommit | WriteTarget | MarkRunning | Spawn | Fence | Relabel | Emit | Say
+          | PublishStatus | Stop)
+
+
+# ---- the state -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CoordinatorState:
+    config: JobConfig
+    steady: Plan                        # the last plan that finished recovering
+    plan: Plan                          # the newest published plan (== steady unless recovering)
+    phase: Phase = Phase.STEADY
+    deadline: float = float("inf")
+    lost: frozenset[str] = frozenset()  # processes lost since the steady plan
+    fenced: frozenset[str] = frozenset()
+    finished: frozenset[str] = frozenset()
+    committed: int | None = None
+    abandoned: tuple[int, ...] = ()
+    agreed: int | None = None           # the newest step whose replicas were checked equal
+    warned: int = -1                    # the generation in which a divergence was last reported
+    swap: Swap | None = None
+    root_cause: str | None = None
+    live: Mapping[str, Liveness] = field(default_factory=dict)
+    announced: float = 0.0              # the hang timeout last written to the events
+    announced_reason: str = ""
+    joins: Mapping[int, str] = field(default_factory=dict)       # nodes that joined, not admitted yet
+    joining: Mapping[int, Joining] = field(default_factory=dict)  # spare nodes whose spares are starting
+    refill: Refill | None = None        # spares entering the pool in the generation being published
+    awaiting_since: float | None = None  # when the coordinator began to wait for a spare node
+    recoveries: tuple[Recovery, ...] = ()
+    exit_code: int | None = None        # set once the job ended
+    failure: str | None = None          # why it failed
+    status: JobStatus | None = None     # the job status last published

@@ -1,0 +1,86 @@
+"""Transitions every phase of the coordinator's machine shares: publish a plan, end or fail the job, drop a
+joining node, and the job-status record derived from the state. Pure, like machine.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from deadpool.coordinator.protocol import Plan
+from deadpool.coordinator.state import (
+    Abort,
+    CoordinatorState,
+    Effect,
+    Emit,
+    Fence,
+    PublishPlan,
+    PublishStatus,
+    Relabel,
+    Say,
+    Stop,
+)
+from deadpool.coordinator.status import FAILED, FINISHED, RUNNING, JobStatus, Member
+
+State = CoordinatorState
+
+
+def publish(s: State, plan: Plan, out: list[Effect]) -> State:
+    """Reports and commit keys first, then the plan, the generation number, and the abort of the old
+    one: whoever sees the abort can always read the plan that replaces it."""
+    gen = plan.generation
+    out.append(PublishPlan(plan))
+    if gen > 0:
+        out += [Abort(gen - 1, plan.reason), Say(f"generation {gen}: {plan.reason}")]
+    out += [Relabel(name, f"{name}=r{rank}") for rank, name in enumerate(plan.ranks) if name.startswith("s")]
+    out.append(Emit("plan_published", dict(ranks=list(plan.ranks), holders=[list(h) for h in plan.holders],
+                                           spares=list(plan.spares), sources=list(plan.sources),
+                                           reason=plan.reason)))
+    return replace(s, plan=plan)
+
+
+def end(s: State, out: list[Effect]) -> State:
+    """Every rank finished: the job is done."""
+    out += [Stop("done", grace_s=10.0), Emit("job_finished", dict(generation=s.plan.generation))]
+    return replace(s, exit_code=0)
+
+
+def fail(s: State, message: str, out: list[Effect]) -> State:
+    """The job cannot go on: it stops, naming the earliest failure as the root cause."""
+    cause = s.root_cause or message
+    out += [Emit("job_failed", dict(reason=message, root_cause=cause)), Stop("failed", grace_s=5.0),
+            Say(f"job failed: {message}", error=True)]
+    if cause != message:
+        out.append(Say(f"root cause: {cause}", error=True))
+    return replace(s, exit_code=1, failure=message)
+
+
+def drop_joining(s: State, node: int, why: str, out: list[Effect]) -> State:
+    """A spare node that joined but cannot enter the pool: its other spares are fenced."""
+    joining = s.joining[node]
+    out += [Fence(name) for name in joining.procs]
+    out += [Emit("spare_node_dropped", dict(node=node, procs=list(joining.procs), reason=why)),
+            Say(f"spare node {node} ({joining.host}) does not enter the pool: {why}")]
+    return replace(s, joining={n: j for n, j in s.joining.items() if n != node})
+
+
+def status_of(s: State) -> JobStatus:
+    """What `deadpool status` shows of this state."""
+    plan, holds = s.plan, dict[str, list[int]]()
+    for rank, holders in enumerate(plan.holders):  # one pass: this runs every tick, at any scale
+        for holder in holders:
+            holds.setdefault(holder, []).append(rank)
+    members = tuple(Member(proc, rank, plan.nodes.get(proc), tuple(holds.get(proc, ())))
+                    for rank, proc in [*enumerate(plan.ranks), *((None, p) for p in plan.spares)])
+    outcome = RUNNING if s.exit_code is None else FINISHED if s.exit_code == 0 else FAILED
+    return JobStatus(generation=plan.generation, phase=s.phase.value, outcome=outcome, reason=s.failure,
+                     exit_code=s.exit_code, members=members, committed=s.committed, recoveries=s.recoveries,
+                     hang_timeout_s=s.announced or None, hang_timeout_reason=s.announced_reason)
+
+
+def with_status(s: State, out: list[Effect]) -> tuple[State, tuple[Effect, ...]]:
+    """The tick's effects, with the job status when it changed: before the job stops, if it does, so that a
+    reader sees the outcome while the processes are being stopped."""
+    status = status_of(s)
+    if status == s.status:
+        return s, tuple(out)
+    stop = next((i for i, e in enumerate(out) if isinstance(e, Stop)), len(out))
+    return replace(s, status=status), (*out[:stop], PublishStatus(status), *out[stop:])

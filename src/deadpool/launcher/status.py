@@ -1,0 +1,70 @@
+"""`deadpool status RUN_DIR [--json]`: where a job stands (generation, ranks, holders, commits, recoveries,
+outcome), from the status record its coordinator rewrites whenever it changes; running or ended alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from deadpool.coordinator.status import FAILED, RUNNING, JobStatus
+from deadpool.errors import ConfigError, ProtocolError
+from deadpool.events import read_events
+from deadpool.report import replica_memory
+
+
+def read_status(run_dir: Path) -> JobStatus:
+    """The job's status record. The one place it is read from: a live read through the store goes here."""
+    path = Path(run_dir) / "status.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: not a DeadPool run directory, or its coordinator has not "
+                          "started yet") from None
+    try:
+        return JobStatus.from_json(text)
+    except ProtocolError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def host_memory(run_dir: Path) -> dict[str, int]:
+    """Holder -> host bytes of the replicas it holds, from the holders' own replica_memory events."""
+    events = Path(run_dir) / "events.jsonl"
+    return replica_memory(list(read_events(events))) if events.exists() else {}
+
+
+def render(status: JobStatus, memory: dict[str, int]) -> str:
+    """The status as a person reads it."""
+    if status.outcome == RUNNING:
+        head = f"job: running, generation {status.generation} ({status.phase.replace('_', ' ')})"
+    elif status.outcome == FAILED:
+        head = f"job: failed (exit code {status.exit_code}) in generation {status.generation}: {status.reason}"
+    else:
+        head = f"job: finished (exit code {status.exit_code}) in generation {status.generation}"
+    lines = [head, f"last commit: {'none' if status.committed is None else f'step {status.committed}'}", "ranks:"]
+    where = {m.proc: "" if m.node is None else f" on node {m.node}" for m in status.members}
+    lines += [f"  rank {m.rank}: {m.proc}{where[m.proc]}" for m in status.members if m.rank is not None]
+    holders = [m for m in status.members if m.rank is None or m.holds]
+    lines.append("spares and holders:" if holders else "spares and holders: none")
+    for m in holders:
+        role = "idle spare" if m.rank is None else f"rank {m.rank}"
+        holds = f"holds rank(s) {', '.join(map(str, m.holds))}" if m.holds else "holds nothing"
+        nbytes = f", {memory[m.proc] / 2**20:.1f} MiB of host memory" if m.proc in memory else ""
+        lines.append(f"  {m.proc}{where[m.proc]} ({role}): {holds}{nbytes}")
+    lines.append(f"recoveries: {len(status.recoveries)}")
+    for r in status.recoveries:
+        took = ", ".join(f"{proc} took rank {rank}" for rank, proc in r.replaced.items()) or "no rank replaced"
+        lines.append(f"  generation {r.generation}: {r.cause}; restored step {r.restored_step}; {took}; "
+                     f"{r.detect_to_resume_s:.2f} s from detection to resume")
+    timeout = "not set yet" if status.hang_timeout_s is None else (
+        f"{status.hang_timeout_s:.1f} s ({status.hang_timeout_reason})")
+    lines.append(f"hang timeout: {timeout}")
+    return "\n".join(lines)
+
+
+def status_main(run_dir: Path, as_json: bool) -> int:
+    status, memory = read_status(run_dir), host_memory(run_dir)
+    if as_json:
+        print(json.dumps({**json.loads(status.to_json()), "replica_memory_bytes": memory}, indent=2))
+    else:
+        print(render(status, memory))
+    return 0

@@ -1,0 +1,394 @@
+"""Tests for deadpool/coordinator/machine.py: every transition of the coordinator, with a fake clock."""
+
+from dataclasses import replace
+
+import pytest
+
+from deadpool.config import JobConfig
+from deadpool.coordinator.machine import advance, start
+from deadpool.coordinator.policy import Durable
+from deadpool.coordinator.state import (
+    Abort,
+    CoordinatorState,
+    Emit,
+    ExitReport,
+    Fence,
+    Heartbeat,
+    Inputs,
+    MarkRunning,
+    Phase,
+    PublishPlan,
+    PublishStatus,
+    Relabel,
+    ScriptError,
+    Spawn,
+    Stop,
+    WriteCommit,
+    WriteTarget,
+)
+
+CONFIG = JobConfig(script="train.py", workers=2, spares=1, run_dir="run")
+NODES = JobConfig(script="train.py", workers=2, spares=1, run_dir="run", nproc_per_node=1, store_host="10.0.0.1",
+                  store_port=29500)
+
+
+def started(config: JobConfig = CONFIG) -> CoordinatorState:
+    return start(config)[0]
+
+
+def emitted(effects, name: str) -> list[dict]:
+    return [dict(e.fields) for e in effects if isinstance(e, Emit) and e.event == name]
+
+
+def kinds(effects) -> list[str]:
+    """The effects' kinds, events by name: the order the shell applies them in."""
+    return [e.event if isinstance(e, Emit) else type(e).__name__ for e in effects]
+
+
+def killed(name: str, pid: int = 100, code: int = -9, **more) -> Inputs:
+    return Inputs(exits=(ExitReport(name, code, pid, started=True, **more),))
+
+
+def ready(*ranks: int, steps=(0, 1)) -> Inputs:
+    return Inputs(ready={r: list(steps) for r in ranks})
+
+
+def durable(s: CoordinatorState, *steps: int) -> Inputs:
+    return Inputs(durable={r: Durable(steps) for r in range(s.plan.world_size)})
+
+
+def recovering(s: CoordinatorState, name: str, t: float) -> CoordinatorState:
+    """Step 1 is committed; `name` dies at `t`; the settle window passes, and the new plan is published."""
+    s, _ = advance(s, durable(s, 0, 1), t - 0.5)
+    s, _ = advance(s, killed(name), t)
+    s, _ = advance(s, Inputs(), t + 1.0)
+    assert s.phase is Phase.AWAIT_READY
+    return s
+
+
+# ---- start and the steady state -----------------------------------------------------------
+
+def test_start_commits_step_zero_publishes_generation_zero_and_spawns_every_process():
+    s, effects = start(CONFIG)
+    assert kinds(effects) == ["WriteCommit", "PublishPlan", "plan_published", "Spawn", "Spawn", "Spawn",
+                              "PublishStatus"]
+    assert effects[0] == WriteCommit(0, None, ())
+    assert [e for e in effects if isinstance(e, Spawn)] == [Spawn("w0", "worker", 0), Spawn("w1", "worker", 1),
+                                                            Spawn("s0", "spare", 2)]
+    assert (s.phase, s.plan.generation, s.plan.ranks, s.plan.holders) == (Phase.STEADY, 0, ("w0", "w1"),
+                                                                          (("s0",), ("s0",)))
+    status = effects[-1].status
+    assert (status.generation, status.outcome, status.phase, status.committed) == (0, "running", "steady", None)
+    assert [(m.proc, m.rank, m.holds) for m in status.members] == [("w0", 0, ()), ("w1", 1, ()), ("s0", None, (0, 1))]
+
+
+def test_a_step_durable_on_every_rank_is_committed_once():
+    s = started()
+    s, effects = advance(s, durable(s, 0, 1), 1.0)
+    assert kinds(effects) == ["WriteCommit", "commit", "PublishStatus"]
+    assert effects[0] == WriteCommit(0, 1, ())
+    assert emitted(effects, "commit") == [{"step": 1, "reason": "step 1 is durable on all 2 ranks"}]
+    assert s.committed == 1 and effects[-1].status.committed == 1
+    s, effects = advance(s, durable(s, 0, 1), 1.1)
+    assert effects == ()  # nothing new: nothing written, no status
+
+
+def test_a_step_on_one_rank_only_is_not_committed_and_skipped_steps_are_abandoned():
+    s = started()
+    s, _ = advance(s, durable(s, 0), 1.0)
+    s, effects = advance(s, Inputs(durable={0: Durable((0, 1)), 1: Durable((0,), skipped=(1,))}), 2.0)
+    assert effects[0] == WriteCommit(0, 0, (1,)) and not emitted(effects, "commit")
+
+
+def test_replicas_that_diverge_stop_the_job():
+    s = started()
+    reports = {0: Durable((0, 1), fingerprints={1: 7}), 1: Durable((0, 1), fingerprints={1: 8})}
+    s, effects = advance(s, Inputs(durable=reports), 1.0)
+    assert kinds(effects)[:2] == ["divergence", "job_failed"] and s.exit_code == 1
+    assert "replicas diverged at step 1" in emitted(effects, "job_failed")[0]["reason"]
+
+
+def test_replicas_that_diverge_under_warn_are_said_once_per_generation():
+    s = started(replace(CONFIG, on_divergence="warn"))
+    for step in (1, 2):
+        steps = tuple(range(step + 1))
+        reports = {r: Durable(steps, fingerprints={k: r for k in steps}) for r in (0, 1)}
+        s, effects = advance(s, Inputs(durable=reports), float(step))
+        assert len(emitted(effects, "divergence")) == 1 and s.exit_code is None
+        assert sum(type(e).__name__ == "Say" for e in effects) == (1 if step == 1 else 0)
+
+
+def test_every_rank_finishing_ends_the_job():
+    s = started()
+    s, effects = advance(s, killed("w0", code=0), 5.0)
+    assert effects == () and s.finished == {"w0"}
+    s, effects = advance(s, killed("w1", code=0), 5.1)
+    assert kinds(effects) == ["PublishStatus", "Stop", "job_finished"]
+    assert effects[1] == Stop("done", grace_s=10.0) and s.exit_code == 0
+    assert effects[0].status.outcome == "finished" and effects[0].status.exit_code == 0
+
+
+# ---- a swap -------------------------------------------------------------------------------
+
+def test_a_killed_rank_is_settled_planned_restored_and_resumed():
+    s = started()
+    s, _ = advance(s, durable(s, 0, 1), 1.0)
+    s, effects = advance(s, killed("w1", pid=42), 10.0)
+    assert kinds(effects) == ["failure_detected", "Say", "PublishStatus"]
+    assert emitted(effects, "failure_detected") == [{"proc": "w1", "failed_rank": 1, "exit": "killed by SIGKILL",
+                                                     "returncode": -9, "during": "steady"}]
+    assert (s.phase, s.deadline, s.root_cause) == (Phase.SETTLING, 10.05, "rank 1 (w1, pid 42) killed by SIGKILL")
+    s, effects = advance(s, Inputs(), 10.04)
+    assert effects == ()  # the settle window is still open
+    s, effects = advance(s, Inputs(), 10.05)
+    assert kinds(effects) == ["PublishPlan", "Abort", "Say", "Relabel", "plan_published", "PublishStatus"]
+    plan = effects[0].plan
+    assert (plan.generation, plan.ranks, plan.spares) == (1, ("w0", "s0"), ())
+    assert effects[1] == Abort(0, plan.reason) and effects[3] == Relabel("s0", "s0=r1")
+    assert (s.phase, s.deadline) == (Phase.AWAIT_READY, 10.05 + CONFIG.recovery_timeout_s)
+    s, effects = advance(s, ready(0), 10.5)
+    assert effects == ()  # rank 1 has not reported yet
+    s, effects = advance(s, ready(0, 1), 10.6)
+    assert kinds(effects) == ["restore_decided", "WriteCommit", "WriteTarget", "PublishStatus"]
+    assert effects[1:3] == (WriteCommit(1, 1, ()), WriteTarget(1, 1))
+    assert s.phase is Phase.AWAIT_RESUMED
+    s, effects = advance(s, Inputs(resumed=frozenset({0, 1})), 11.0)
+    assert kinds(effects) == ["swap_complete", "Say", "MarkRunning", "PublishStatus"]
+    [done] = emitted(effects, "swap_complete")
+    assert done == {"restored_step": 1, "replaced": {1: "s0"}, "cause": "rank 1 (w1, pid 42) killed by SIGKILL",
+                    "failed": [{"proc": "w1", "rank": 1, "exit": "killed by SIGKILL", "who": "rank 1 (w1, pid 42)"}],
+                    "hang": None, "detected_t": 10.0, "detect_to_resume_s": 1.0}
+    assert effects[2] == MarkRunning(1)
+    assert (s.phase, s.steady, s.swap, s.root_cause, s.lost) == (Phase.STEADY, s.plan, None, None, frozenset())
+    [recovery] = effects[-1].status.recoveries
+    assert (recovery.generation, recovery.restored_step, recovery.detect_to_resume_s, recovery.replaced) == (
+        1, 1, 1.0, {"1": "s0"})
+
+
+def test_a_recovery_that_misses_its_deadline_fails_the_job_naming_the_root_cause():
+    s = recovering(started(), "w1", 10.0)
+    s, effects = advance(s, ready(0), 11.1 + CONFIG.recovery_timeout_s)
+    [failed] = emitted(effects, "job_failed")
+    assert failed["reason"] == "ranks [1] did not report their snapshots within 30.0 s of generation 1"
+    assert failed["root_cause"] == "rank 1 (w1, pid 100) killed by SIGKILL"
+    assert kinds(effects)[1:3] == ["PublishStatus", "Stop"] and effects[2] == Stop("failed", grace_s=5.0)
+
+
+def test_no_intact_snapshot_to_restore_fails_the_job():
+    s = recovering(started(), "w1", 10.0)
+    s, effects = advance(s, ready(0, 1, steps=()), 11.0)
+    assert emitted(effects, "restore_decided")[0]["target"] is None
+    assert emitted(effects, "job_failed")[0]["reason"].startswith("cannot recover from memory: no snapshot")
+
+
+def test_a_failure_during_a_recovery_is_planned_with_the_first_as_one_set():
+    s = started(replace(CONFIG, spares=2))
+    s = recovering(s, "w1", 10.0)
+    s, effects = advance(s, killed("w0", pid=41), 10.5)
+    assert emitted(effects, "failure_detected")[0]["during"] == "await_ready"
+    assert (s.phase, s.lost) == (Phase.SETTLING, {"w0", "w1"})
+    s, effects = advance(s, Inputs(), 11.0)
+    plan = effects[0].plan
+    assert (plan.generation, plan.ranks) == (2, ("s0", "s1"))  # planned from generation 0: both ranks replaced
+    assert effects[1] == Abort(1, plan.reason)
+    s, _ = advance(s, ready(0, 1), 11.5)
+    s, effects = advance(s, Inputs(resumed=frozenset({0, 1})), 12.0)
+    [done] = emitted(effects, "swap_complete")
+    assert done["cause"] == "rank 1 (w1, pid 100) killed by SIGKILL; rank 0 (w0, pid 41) killed by SIGKILL"
+    assert done["replaced"] == {0: "s0", 1: "s1"} and done["detect_to_resume_s"] == 2.0
+
+
+def test_a_spare_dying_during_a_recovery_is_replanned_without_it():
+    s = started(replace(CONFIG, spares=2))
+    s = recovering(s, "w1", 10.0)
+    assert (s.plan.ranks, s.plan.spares) == (("w0", "s1"), ("s0",))
+    s, effects = advance(s, killed("s0", pid=7), 10.5)
+    assert emitted(effects, "failure_detected")[0]["failed_rank"] is None
+    s, effects = advance(s, Inputs(), 11.0)
+    plan = effects[0].plan
+    assert (plan.generation, plan.ranks, plan.spares, plan.holders) == (2, ("w0", "s1"), (), (("s1",), ("w0",)))
+    assert plan.reason == "w1 (rank 1) failed; s1 takes rank 1"
+
+
+def test_an_idle_spare_that_holds_nothing_shrinks_the_pool_in_place():
+    s = started(replace(CONFIG, snapshot_every=0, spares=2))
+    s, effects = advance(s, killed("s1"), 1.0)
+    assert emitted(effects, "failure_detected")[0]["failed_rank"] is None
+    s, effects = advance(s, Inputs(), 2.0)
+    assert kinds(effects) == ["pool_shrunk", "PublishStatus"]
+    assert (s.phase, s.plan.generation, s.plan.spares, s.swap) == (Phase.STEADY, 0, ("s0",), None)
+
+
+def test_a_second_failure_with_the_pool_empty_fails_the_job_and_advises_spares():
+    s = recovering(started(), "w1", 10.0)
+    s, _ = advance(s, ready(0, 1), 10.5)
+    s, _ = advance(s, Inputs(resumed=frozenset({0, 1})), 11.0)
+    s, _ = advance(s, killed("w0", pid=41), 20.0)
+    s, effects = advance(s, Inputs(), 21.0)
+    [failed] = emitted(effects, "job_failed")
+    assert failed["reason"].startswith("rank 0 (w0, pid 41) killed by SIGKILL: w0 (rank 0) failed and")
+    assert failed["reason"].endswith("Add spares (--spares) to survive more failures.")
+
+
+def test_the_exit_of_a_replaced_process_changes_nothing():
+    s = recovering(started(), "w1", 10.0)
+    s, effects = advance(s, killed("w1"), 10.5)
+    assert effects == () and s.phase is Phase.AWAIT_READY
+
+
+# ---- hangs --------------------------------------------------------------------------------
+
+def pulse(step: int, beat: int, waiting: bool = False, phase: str = "backward") -> Heartbeat:
+    return Heartbeat(gen=0, beat=beat, step=step, phase=phase, marks=0, waiting=waiting, step_s=0.1)
+
+
+def test_a_silent_rank_is_fenced_as_hung_and_its_exit_starts_the_swap():
+    s = started(replace(CONFIG, hang_timeout_s=5.0))
+    steady = durable(s, 0)
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 1), "w1": pulse(3, 1)}), 1.0)
+    assert emitted(effects, "hang_timeout") == [{"timeout_s": 5.0, "reason": "--hang-timeout 5 s"}]
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(4, 2, waiting=True), "w1": pulse(3, 1)}), 5.9)
+    assert not emitted(effects, "hang_detected")
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(4, 3, waiting=True), "w1": pulse(3, 1)}), 6.0)
+    [hang] = emitted(effects, "hang_detected")
+    assert (hang["proc"], hang["hung_rank"], hang["last_progress_t"], hang["silent_s"]) == ("w1", 1, 1.0, 5.0)
+    assert Fence("w1") in effects and s.fenced == {"w1"}
+    assert s.swap.hang.verdict_t == 6.0 and s.root_cause.startswith("rank 1 (w1) hung: rank 1 silent")
+    s, effects = advance(s, killed("w1"), 6.1)
+    assert emitted(effects, "failure_detected")[0]["exit"] == "hung, and fenced (SIGKILL)"
+    assert s.phase is Phase.SETTLING and s.swap.cause.startswith("rank 1 (w1) hung")
+
+
+def test_no_hang_is_looked_for_until_every_rank_has_a_heartbeat():
+    s = started(replace(CONFIG, hang_timeout_s=5.0))
+    s, effects = advance(s, replace(durable(s, 0), beats={"w0": pulse(1, 1)}), 100.0)
+    assert not emitted(effects, "hang_timeout") and not emitted(effects, "hang_detected")
+
+
+# ---- script errors ------------------------------------------------------------------------
+
+def test_a_script_error_stops_the_job_at_once_without_a_swap():
+    s = started()
+    error = ScriptError(rank=0, step=3, error="ValueError: boom")
+    s, effects = advance(s, killed("w0", code=1, script_error=error), 4.0)
+    assert kinds(effects) == ["script_error", "job_failed", "PublishStatus", "Stop", "Say"]
+    assert emitted(effects, "script_error") == [{"proc": "w0", "rank": 0, "step": 3,
+                                                 "error": "the training script raised ValueError: boom"}]
+    reason = emitted(effects, "job_failed")[0]["reason"]
+    assert reason.startswith("error in the training script on rank 0 (w0) at step 3: raised ValueError: boom.")
+    assert s.exit_code == 1 and s.plan.generation == 0
+    assert (effects[2].status.outcome, effects[2].status.reason) == ("failed", reason)
+
+
+def test_an_exit_before_init_is_a_script_error():
+    s = started()
+    s, effects = advance(s, Inputs(exits=(ExitReport("w1", 2, 5, started=False),)), 1.0)
+    [error] = emitted(effects, "script_error")
+    assert error["error"] == "the training script exited with code 2 before deadpool.init()"
+
+
+def test_later_exits_of_a_tick_that_ended_the_job_are_not_looked_at():
+    s = started()
+    exits = (ExitReport("w0", 1, 5, started=False), ExitReport("w1", -9, 6, started=True))
+    s, effects = advance(s, Inputs(exits=exits), 1.0)
+    assert not emitted(effects, "failure_detected") and s.exit_code == 1
+
+
+# ---- nodes --------------------------------------------------------------------------------
+
+def test_a_process_lost_with_its_node_is_a_failure():
+    s = started(NODES)
+    s, effects = advance(s, killed("w1", lost_with_node="node 1 (its agent was silent for 5.1 s)"), 3.0)
+    assert emitted(effects, "failure_detected")[0]["exit"] == "lost with node 1 (its agent was silent for 5.1 s)"
+    s, effects = advance(s, Inputs(), 4.0)
+    assert effects[0].plan.ranks == ("w0", "s0")
+
+
+def joined(s: CoordinatorState, t: float) -> CoordinatorState:
+    """Step 1 is committed; spare node 3 joins: its spare s1 is ordered."""
+    s, _ = advance(s, durable(s, 0, 1), t - 0.5)
+    s, effects = advance(s, Inputs(joined={3: "host3"}), t)
+    assert emitted(effects, "spare_node_joined") == [{"node": 3, "host": "host3", "procs": ["s1"]}]
+    assert Spawn("s1", "spare", 3) in effects and set(s.joining) == {3}
+    return s
+
+
+def test_a_spare_node_that_joins_refills_the_pool_in_a_new_generation():
+    s = joined(started(NODES), 1.0)
+    s, effects = advance(s, Inputs(), 1.5)
+    assert not [e for e in effects if isinstance(e, PublishPlan)]  # its spare has not started yet
+    s, effects = advance(s, Inputs(started=frozenset({"s1"})), 2.0)
+    plan = effects[0].plan
+    assert (plan.generation, plan.spares, s.phase, s.joining) == (1, ("s0", "s1"), Phase.AWAIT_READY, {})
+    s, _ = advance(s, ready(0, 1), 2.5)
+    s, effects = advance(s, Inputs(resumed=frozenset({0, 1})), 3.5)
+    [refill] = emitted(effects, "pool_refilled")
+    assert (refill["nodes"], refill["procs"], refill["took_s"], refill["restored_step"]) == ([3], ["s1"], 1.5, 1)
+    assert not emitted(effects, "swap_complete") and s.phase is Phase.STEADY
+
+
+def test_a_join_during_a_recovery_waits_until_the_steady_state():
+    s = recovering(started(NODES), "w1", 1.0)
+    s, effects = advance(s, Inputs(joined={3: "host3"}), 2.5)
+    assert effects == () and s.joins == {3: "host3"}
+    s, _ = advance(s, ready(0, 1), 2.6)
+    s, _ = advance(s, Inputs(resumed=frozenset({0, 1})), 2.7)
+    s, effects = advance(s, Inputs(), 2.8)
+    assert emitted(effects, "spare_node_joined") and s.joins == {}
+
+
+def test_a_joined_node_whose_spares_do_not_start_in_time_is_dropped():
+    s = joined(started(NODES), 1.0)
+    s, effects = advance(s, Inputs(), 1.0 + NODES.connect_timeout_s + 0.1)
+    assert Fence("s1") in effects and s.joining == {}
+    assert emitted(effects, "spare_node_dropped")[0]["reason"] == "its spares did not start within 60 s"
+
+
+# ---- waiting for a spare ------------------------------------------------------------------
+
+WAITING = replace(NODES, spares=0, spare_wait_s=10.0)
+
+
+def test_with_no_spare_left_the_job_waits_for_one_and_stops_when_the_wait_runs_out():
+    s = started(WAITING)
+    s, _ = advance(s, killed("w1"), 1.0)
+    s, effects = advance(s, Inputs(), 2.0)
+    [awaited] = emitted(effects, "spare_awaited")
+    assert (awaited["nodes"], awaited["ranks"], awaited["spare_wait_s"]) == ([1], [1], 10.0)
+    assert "--coordinator 10.0.0.1:29500 --secret-file RUN_DIR/secret --spare`" in effects[1].text
+    assert (s.phase, s.deadline) == (Phase.AWAIT_SPARE, 12.0)
+    s, effects = advance(s, Inputs(), 11.9)
+    assert effects == ()
+    s, effects = advance(s, Inputs(), 12.0)
+    [none] = emitted(effects, "no_spare")
+    assert none["waited_s"] == 10.0 and s.exit_code == 1
+    assert "no spare node joined within --spare-wait 10 s" in emitted(effects, "job_failed")[0]["reason"]
+
+
+def test_a_spare_node_that_joins_during_the_wait_takes_the_lost_rank():
+    s = started(WAITING)
+    s, _ = advance(s, durable(s, 0, 1), 0.5)
+    s, _ = advance(s, killed("w1"), 1.0)
+    s, _ = advance(s, Inputs(), 2.0)
+    s, effects = advance(s, Inputs(joined={2: "host2"}), 3.0)
+    assert Spawn("s0", "spare", 2) in effects and s.phase is Phase.AWAIT_SPARE
+    s, effects = advance(s, Inputs(started=frozenset({"s0"})), 4.0)
+    plan = effects[0].plan
+    assert (plan.generation, plan.ranks, s.phase, s.awaiting_since) == (1, ("w0", "s0"), Phase.AWAIT_READY, None)
+    s, _ = advance(s, ready(0, 1), 4.5)
+    s, effects = advance(s, Inputs(resumed=frozenset({0, 1})), 5.0)
+    assert emitted(effects, "swap_complete")[0]["replaced"] == {1: "s0"}
+    assert emitted(effects, "pool_refilled")[0]["nodes"] == [2]
+
+
+def test_a_status_is_published_only_when_it_changes():
+    s, effects = start(CONFIG)
+    for t in (1.0, 2.0):
+        s, effects = advance(s, Inputs(), t)
+        assert not [e for e in effects if isinstance(e, PublishStatus)]
+
+
+def test_advance_refuses_a_job_that_ended():
+    s = replace(started(), exit_code=0)
+    with pytest.raises(AssertionError):
+        advance(s, Inputs(), 1.0)

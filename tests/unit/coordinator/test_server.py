@@ -1,0 +1,112 @@
+"""Tests for deadpool/coordinator/server.py: the shell applies the machine's effects to a store and processes."""
+
+import json
+from dataclasses import dataclass
+
+from deadpool.config import JobConfig
+from deadpool.coordinator.protocol import Keys
+from deadpool.coordinator.server import Coordinator
+from deadpool.coordinator.status import JobStatus
+from deadpool.events import EventLog, read_events
+
+
+class Store:
+    """The TCPStore methods the shell calls, over a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.data[k] for k in keys]
+
+
+@dataclass
+class Child:
+    name: str
+    pid: int
+    returncode: int | None = None
+
+
+class Processes:
+    """The processes named in `codes` exit with their code at the first poll; those that exit 0 had started."""
+
+    def __init__(self, store: Store, keys: Keys, codes: dict[str, int]) -> None:
+        self.store, self.keys, self.codes, self.children, self.log = store, keys, codes, {}, []
+
+    def spawn(self, name: str, role: str, rank: int) -> Child:
+        self.children[name] = Child(name, pid=1000 + len(self.children))
+        if self.codes.get(name) == 0:
+            self.store.set(self.keys.started(name), "1")
+        self.log.append(("spawn", name, role, rank))
+        return self.children[name]
+
+    def poll(self) -> list[Child]:
+        exited = [c for c in self.children.values() if c.returncode is None and c.name in self.codes]
+        for child in exited:
+            child.returncode = self.codes[child.name]
+        return exited
+
+    def fence(self, name: str) -> None:
+        self.log.append(("fence", name))
+
+    def alive(self) -> set[str]:
+        return {c.name for c in self.children.values() if c.returncode is None}
+
+    def relabel(self, name: str, label: str) -> None:
+        self.log.append(("relabel", name, label))
+
+    def stop_all(self, grace_s: float) -> None:
+        self.log.append(("stop_all", grace_s))
+
+    def joined(self) -> dict[int, str]:
+        return {}
+
+
+CONFIG = dict(script="train.py", workers=2, spares=1, token="tok")
+
+
+def test_a_job_whose_ranks_finish_is_published_run_and_ended_through_the_store(tmp_path):
+    config = JobConfig(**CONFIG, run_dir=str(tmp_path))
+    store, keys, events = Store(), Keys("tok"), EventLog(tmp_path / "events.jsonl", role="coordinator", proc="c")
+    processes = Processes(store, keys, {"w0": 0, "w1": 0})
+    assert Coordinator(config, store, events, processes).run() == 0
+    assert processes.log == [("spawn", "w0", "worker", 0), ("spawn", "w1", "worker", 1), ("spawn", "s0", "spare", 2),
+                             ("stop_all", 10.0)]
+    assert store.get(keys.shutdown()) == b"done" and store.get(keys.generation()) == b"0"
+    assert json.loads(store.get(keys.committed(0))) == {"step": None, "abandoned": []}
+    assert json.loads(store.get(keys.durable(0, 1))) == {"steps": [], "skipped": []}
+    assert store.get(keys.heartbeat("s0")) == b""
+    names = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
+    assert names == ["plan_published", "process_spawned", "process_spawned", "process_spawned", "job_finished"]
+    status = JobStatus.from_json((tmp_path / "status.json").read_text())
+    assert (status.outcome, status.exit_code) == ("finished", 0)
+    assert JobStatus.from_json(store.get(keys.status())) == status
+
+
+def test_a_script_that_fails_before_init_fences_the_others_and_says_why_on_stderr(tmp_path, capsys):
+    config = JobConfig(**CONFIG, run_dir=str(tmp_path))
+    store, keys, events = Store(), Keys("tok"), EventLog(tmp_path / "events.jsonl", role="coordinator", proc="c")
+    processes = Processes(store, keys, {"w1": 2})
+    assert Coordinator(config, store, events, processes).run() == 1
+    assert sorted(processes.log[3:5]) == [("fence", "s0"), ("fence", "w0")]  # the live ones, in any order
+    assert processes.log[5:] == [("stop_all", 5.0)]
+    assert store.get(keys.shutdown()) == b"failed"
+    assert capsys.readouterr().err == (
+        "[coordinator] job failed: error in the training script on w1: exited with code 2 before deadpool.init(). "
+        "This is a bug in the script, not a node failure, so no spare was used; the traceback is above (and in "
+        "logs/w1.log). Fix the script and run again.\n")
+    status = JobStatus.from_json((tmp_path / "status.json").read_text())
+    assert (status.outcome, status.exit_code, status.reason) == ("failed", 1, events_reason(tmp_path))
+
+
+def events_reason(run_dir) -> str:
+    return next(e["reason"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "job_failed")
