@@ -15,12 +15,14 @@ from .conftest import Background
 def test_status_while_running_and_after_a_swap_matches_the_summary(tmp_path):
     job = Background(tmp_path, steps=6, workers=2, spares=1, faults=(Fault(kind="kill", rank=1, step=4),))
     job.wait_for(lambda e: e["event"] == "commit" and e["step"] >= 1)
-    assert read_status(tmp_path).outcome == "running"
+    live, source = read_status(tmp_path)  # from the coordinator, through the authenticated control plane
+    assert (live.outcome, source) == ("running", "live")
     done = job.join()
     assert done.code == 0, done.summary["error"]
     out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "status", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=60, check=True)
     status = json.loads(out.stdout)
+    assert status.pop("source") == "run directory"  # the coordinator is gone: its last record
     assert (status["outcome"], status["exit_code"], status["phase"]) == ("finished", 0, "steady")
     [recovery] = done.summary["recoveries"]
     assert status["generation"] == recovery["generation"] == 1

@@ -6,15 +6,40 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from deadpool.config import JobConfig
+from deadpool.coordinator.protocol import Keys
 from deadpool.coordinator.status import FAILED, RUNNING, JobStatus
-from deadpool.errors import ConfigError, ProtocolError
+from deadpool.errors import ConfigError, ControlPlaneError, ProtocolError
 from deadpool.events import read_events
+from deadpool.protocol.secret import read_secret
+from deadpool.protocol.store import StoreClient
 from deadpool.report import replica_memory
 
 
-def read_status(run_dir: Path) -> JobStatus:
-    """The job's status record. The one place it is read from: a live read through the store goes here."""
-    path = Path(run_dir) / "status.json"
+def read_status(run_dir: Path) -> tuple[JobStatus, str]:
+    """The job's status record, and where it came from: live from its coordinator, through the authenticated
+    control plane, while the job runs; else the copy the coordinator last wrote into the run directory."""
+    live = _live_status(Path(run_dir))
+    return (live, "live") if live is not None else (_file_status(Path(run_dir)), "run directory")
+
+
+def _live_status(run_dir: Path) -> JobStatus | None:
+    """None when no coordinator answers for this run directory (the job has ended, or it is not ours)."""
+    try:
+        config = JobConfig.read(run_dir / "config.json")
+        client = StoreClient(config.store_host, config.store_port, read_secret(config.secret_file), timeout_s=1.0)
+    except (OSError, ConfigError, ControlPlaneError):
+        return None
+    try:
+        return JobStatus.from_json(client.get(Keys(config.token).status(), 1.0).decode())
+    except ControlPlaneError:
+        return None
+    finally:
+        client.close()
+
+
+def _file_status(run_dir: Path) -> JobStatus:
+    path = run_dir / "status.json"
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -62,9 +87,13 @@ def render(status: JobStatus, memory: dict[str, int]) -> str:
 
 
 def status_main(run_dir: Path, as_json: bool) -> int:
-    status, memory = read_status(run_dir), host_memory(run_dir)
+    (status, source), memory = read_status(run_dir), host_memory(run_dir)
     if as_json:
-        print(json.dumps({**json.loads(status.to_json()), "replica_memory_bytes": memory}, indent=2))
+        print(json.dumps({**json.loads(status.to_json()), "replica_memory_bytes": memory, "source": source},
+                         indent=2))
     else:
-        print(render(status, memory))
+        stale = status.outcome == RUNNING and source != "live"
+        print(render(status, memory) + f"\n(read from: {source}" + ("; no coordinator answers for it: the job was "
+                                                                   "stopped or killed, this is its last record)"
+                                                                   if stale else ")"))
     return 0

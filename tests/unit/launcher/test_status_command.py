@@ -25,6 +25,7 @@ def test_json_output_is_the_record_plus_the_holders_host_memory(tmp_path, capsys
     assert main(["status", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out.pop("replica_memory_bytes") == {"s1": 150}
+    assert out.pop("source") == "run directory"  # no coordinator answers for it
     assert out == json.loads(STATUS.to_json())
 
 
