@@ -24,7 +24,8 @@ from typing import Callable, Protocol
 
 from deadpool.errors import SwapAborted, WorkerFailure
 from deadpool.runtime.context import Context, connect
-from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.failures import RECOVERABLE
+from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.replica import receive_replica, send_replica
 from deadpool.runtime.slots import Slot
 
@@ -103,7 +104,7 @@ class Recovery:
         inc = self.inc
         assert inc is not None
         if self.state is State.TRANSFER:
-            ctx.events.generation, ctx.events.rank, ctx.faults.rank = self.gen, inc.rank, inc.rank
+            assume(ctx, inc)
             self.state = State.REPORT if _transfer(ctx, member, inc) else State.AWAIT_PLAN
         elif self.state is State.REPORT:
             if self.failed_step is not None:
@@ -143,12 +144,13 @@ class Recovery:
         return None
 
     def _attempt(self, action: Callable[[], None]) -> bool:
-        """Joining or agreeing may fail because of another failure: the coordinator then publishes the next
-        generation, which this process waits for."""
+        """Joining or agreeing fails when another rank fails meanwhile (raised as PeerFailure where DeadPool
+        communicates): the coordinator then publishes the next generation, which this process waits for.
+        Any other error is a bug, and propagates: retrying it would hide it."""
         try:
             action()
             return True
-        except Exception as error:
+        except RECOVERABLE as error:
             self.ctx.events.emit("rejoin_failed", state=self.state.value,
                                  error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             self._again()
