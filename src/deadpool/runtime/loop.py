@@ -22,7 +22,7 @@ from deadpool.errors import GenerationAborted, SwapAborted, WorkerFailure
 from deadpool.events import EventLog
 from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
-from deadpool.runtime.failures import classify
+from deadpool.runtime.failures import Verdict, classify
 from deadpool.runtime.member import Member
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.state import state_sha256
@@ -159,11 +159,11 @@ class StepLoop:
             first = str(error).splitlines()[0] if str(error) else ""
             return f"{type(error).__name__}: {first}"
 
-    def _judge(self, error: Exception) -> Any:
+    def _judge(self, error: Exception) -> Verdict:
         """failures.classify, with this generation's abort and the job's end; the rank counts as waiting
         meanwhile (it waits on the coordinator, and must not be fenced as hung)."""
         ctx, watch = self.member.ctx, self.member.watch
-        with self.member.progress.waiting_for("failure?"):
+        with self.member.progress.waiting_for("judging_error"):
             return classify(error, aborted=lambda: watch is not None and watch.aborted(),
                             ended=lambda: ctx.store.check([ctx.keys.shutdown()]),
                             plan_wait_s=ctx.config.plan_wait_s, poll_s=ctx.config.poll_interval_s)

@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from deadpool.errors import SwapAborted, WorkerFailure
+from deadpool.errors import PeerFailure, SwapAborted, WorkerFailure
+from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.failures import RECOVERABLE
 from deadpool.runtime.generation import Incarnation, assume
@@ -175,8 +176,9 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
         source = inc.plan.source_of(rank)
         if source is not None:
             deadline = time.monotonic() + ctx.config.recovery_timeout_s
-            slots, rejected = receive_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token, inc.generation,
-                                              ctx.config.collective_timeout_s, deadline, stopped)
+            with communicating(f"receiving rank {rank}'s replica from {source}"):
+                slots, rejected = receive_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token,
+                                                  inc.generation, ctx.config.collective_timeout_s, deadline, stopped)
             for mismatch in rejected:
                 ctx.events.emit("replica_rejected", of_rank=rank, step=mismatch.step, source=source,
                                 error=str(mismatch))
@@ -184,7 +186,7 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
             ctx.events.emit("replica_received", of_rank=rank, source=source)
         elif rank in held:
             member.take(held[rank])
-    except (InterruptedError, TimeoutError, RuntimeError) as error:
+    except (InterruptedError, TimeoutError, PeerFailure) as error:  # stopped, past the deadline, the holder failed
         ctx.events.emit("transfer_failed", of_rank=rank, error=str(error).splitlines()[0] if str(error) else "")
         return False
     finally:
