@@ -72,10 +72,11 @@ def classify(error: BaseException, aborted: Callable[[], bool], ended: Callable[
 
 def report_script_errors(publish: Callable[[dict[str, Any]], None], whose: Callable[[], dict[str, Any]],
                          judged: Callable[[BaseException], bool]) -> None:
-    """Makes an uncaught exception of the script's own known to the coordinator before the traceback is
-    printed, so that it stops the job instead of replaying the error on a spare. The script's own: one the
-    step loop judged so (`judged`), or, raised outside the loop, one neither DeadPool's (a ConfigError is the
-    user's) nor raised inside torch.distributed (whose failure it is cannot be told there)."""
+    """Makes an uncaught exception that is no peer's failure known to the coordinator before the traceback
+    is printed, so that it stops the job instead of replaying the error on a spare: one the step loop let
+    through (`judged`: the script's error, or a bug of DeadPool's that a spare would meet again), or,
+    raised outside the loop, one neither DeadPool's (a ConfigError is the user's) nor raised inside
+    torch.distributed (whose failure it is cannot be told there)."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:

@@ -45,7 +45,7 @@ class StepLoop:
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
-        self.script_error: BaseException | None = None  # the error this loop judged the script's own
+        self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.member.step, "every": self.every, "calibrating": self.calibrating}
@@ -154,7 +154,7 @@ class StepLoop:
         except Exception as error:
             verdict = self._judge(error)
             if not verdict.failure:
-                self.script_error = error
+                self.fatal = error
                 raise
             first = str(error).splitlines()[0] if str(error) else ""
             return f"{type(error).__name__}: {first}"
@@ -183,6 +183,11 @@ class StepLoop:
             done = recovery.run()
         except SwapAborted as error:
             raise WorkerFailure(f"{member.ctx.proc} cannot continue after '{cause}': {error}") from None
+        except WorkerFailure:  # fenced out: the coordinator replaced this process already
+            raise
+        except Exception as error:  # a bug, in the recovery or the restored state: it stops the job
+            self.fatal = error
+            raise
         assert done is not None
         _, target = done
         if activated:

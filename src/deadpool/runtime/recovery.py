@@ -42,7 +42,7 @@ class State(enum.Enum):
 
 
 class Member(Protocol):
-    """What the state machine needs from the process it recovers (the Session implements it)."""
+    """What the state machine needs from the process it recovers (member.Member implements it)."""
 
     def leave(self) -> None:
         """Tears down everything of the current generation (idempotent)."""
@@ -57,12 +57,12 @@ class Member(Protocol):
         """The snapshot steps this rank can restore, checksums verified."""
 
     def join(self, inc: Incarnation) -> None:
-        """Becomes inc's rank: joins its process group (the default group); raises if that fails."""
+        """Becomes inc's rank: joins its process group (the default group); PeerFailure if a peer fails meanwhile."""
 
     def restore(self, step: int) -> None: ...
 
     def resume(self, step: int) -> None:
-        """Checks every rank restored `step`, restarts snapshots; raises if that fails."""
+        """Checks every rank restored `step`, restarts snapshots; PeerFailure if a peer fails meanwhile."""
 
 
 class Recovery:

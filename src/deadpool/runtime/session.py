@@ -76,7 +76,7 @@ class Session:
         report_script_errors(
             publish=lambda report: ctx.store.set(ctx.keys.script_error(ctx.proc), json.dumps(report)),
             whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation},
-            judged=lambda error: error is self.loop.script_error)
+            judged=lambda error: error is self.loop.fatal)
 
     @property
     def rank(self) -> int:

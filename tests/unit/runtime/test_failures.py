@@ -1,11 +1,21 @@
 """Tests for deadpool/runtime/failures.py: a peer's failure is told from the script's own error by type and by
 where it was raised (and whether the generation is then aborted), never by the words of its message."""
 
+import sys
+
 import pytest
 import torch.distributed as dist
 
-from deadpool.errors import CollectiveAborted, ConfigError, GenerationAborted, PeerFailure, ProtocolError, SwapAborted
-from deadpool.runtime.failures import ABORT_GRACE_S, classify, raised_in_torch_distributed
+from deadpool.errors import (
+    CollectiveAborted,
+    ConfigError,
+    GenerationAborted,
+    PeerFailure,
+    ProtocolError,
+    SwapAborted,
+    WorkerFailure,
+)
+from deadpool.runtime.failures import ABORT_GRACE_S, classify, raised_in_torch_distributed, report_script_errors
 
 
 def raised(error: BaseException, module: str = __name__) -> BaseException:
@@ -108,3 +118,18 @@ def test_where_an_error_was_raised():
     assert not raised_in_torch_distributed(raised(RuntimeError("gloo socket timed out")))
     assert not raised_in_torch_distributed(raised(ValueError("Invalid function argument"), IN_C10D))  # a misuse
     assert not raised_in_torch_distributed(raised(RuntimeError("x"), "torch.nn.functional"))
+
+
+def test_uncaught_errors_reported_to_the_coordinator(monkeypatch):
+    """What stops the job as the script's error: what the step loop let through, and, outside it, an error
+    that is neither DeadPool's (but the user's ConfigError) nor raised inside torch.distributed."""
+    monkeypatch.setattr(sys, "excepthook", lambda *info: None)
+    reports: list[dict] = []
+    let_through = raised(RuntimeError("Tensors must be CPU and dense"), IN_C10D)
+    report_script_errors(reports.append, lambda: {"rank": 1}, lambda error: error is let_through)
+    for error in (let_through, raised(TimeoutError("socket timed out")), ConfigError("bad name"),
+                  WorkerFailure("w1 was fenced out"), raised(RuntimeError("Connection closed by peer"), IN_C10D)):
+        sys.excepthook(type(error), error, error.__traceback__)
+    assert reports == [{"rank": 1, "error": "RuntimeError: Tensors must be CPU and dense"},
+                       {"rank": 1, "error": "TimeoutError: socket timed out"},
+                       {"rank": 1, "error": "ConfigError: bad name"}]
