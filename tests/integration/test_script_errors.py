@@ -51,5 +51,8 @@ def test_a_scripts_own_timeout_error_stops_the_job_without_a_swap(tmp_path):
                                            "TimeoutError: socket timed out")
     assert not job.named("failure_detected") and not job.named("spare_called")
     assert [e["proc"] for e in job.named("failure_seen")] in ([], ["w0"])  # w0 may see w1 go, never w1 itself
+    [judged] = [e for e in job.named("error_judged") if e["proc"] == "w1"]
+    assert (judged["error"], judged["failure"]) == ("TimeoutError", False)
+    assert judged["reason"] == "raised outside torch.distributed, and the generation was not aborted within 1 s"
     log = (tmp_path / "logs" / "w1.log").read_text()
     assert log.count("Traceback (most recent call last)") == 1 and "TimeoutError: socket timed out" in log

@@ -1,4 +1,5 @@
-"""Process groups per generation, and the data-parallel wrapper that is rebuilt on each new group."""
+"""Process groups per generation, DeadPool's own collectives (a failure in one is a peer's), and the data-parallel
+wrapper that is rebuilt on each new group."""
 
 from __future__ import annotations
 

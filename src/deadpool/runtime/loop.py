@@ -22,7 +22,7 @@ from deadpool.errors import GenerationAborted, SwapAborted, WorkerFailure
 from deadpool.events import EventLog
 from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
-from deadpool.runtime.failures import Verdict, classify
+from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.state import state_sha256
@@ -164,9 +164,12 @@ class StepLoop:
         meanwhile (it waits on the coordinator, and must not be fenced as hung)."""
         ctx, watch = self.member.ctx, self.member.watch
         with self.member.progress.waiting_for("judging_error"):
-            return classify(error, aborted=lambda: watch is not None and watch.aborted(),
-                            ended=lambda: ctx.store.check([ctx.keys.shutdown()]),
-                            plan_wait_s=ctx.config.plan_wait_s, poll_s=ctx.config.poll_interval_s)
+            verdict = classify(error, aborted=lambda: watch is not None and watch.aborted(),
+                               ended=lambda: ctx.store.check([ctx.keys.shutdown()]),
+                               plan_wait_s=ctx.config.plan_wait_s, poll_s=ctx.config.poll_interval_s)
+        if not isinstance(error, RECOVERABLE):  # judged by where it came from and what followed: say how
+            ctx.events.emit("error_judged", error=type(error).__name__, failure=verdict.failure, reason=verdict.reason)
+        return verdict
 
     def _recover(self, cause: str) -> None:
         """Leaves the failed generation and runs the recovery state machine into the next one."""
