@@ -1,5 +1,7 @@
-"""What every rank decides together: to stop after a step, how often to snapshot (`auto`), and that a recovery
-restored the same state everywhere. Each is one small collective of DeadPool's own (a PeerFailure if it fails)."""
+"""The decisions every rank takes together, each one small collective of DeadPool's own.
+
+To stop after a step (session.stop() on any rank), how often to snapshot (`auto`), and that a recovery
+restored the same state everywhere. A failure in one is a peer's (PeerFailure)."""
 
 from __future__ import annotations
 

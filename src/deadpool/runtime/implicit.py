@@ -1,5 +1,4 @@
-"""The state DeadPool snapshots without being asked: every RNG a step may draw from, and the variables the
-step function rebinds."""
+"""The state DeadPool snapshots without being asked: the RNGs, and the variables the step function rebinds."""
 
 from __future__ import annotations
 
