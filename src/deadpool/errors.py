@@ -13,8 +13,30 @@ class WorkerFailure(DeadPoolError):
     """A worker process died or its collective failed, and the job could not continue."""
 
 
+class PeerFailure(WorkerFailure):
+    """Some rank of this generation failed (it died or hung, or the coordinator aborted the generation),
+    seen where DeadPool itself communicates: this process unwinds the step and recovers. The only error
+    a survivor recovers from on sight; runtime/failures.py decides about every other error."""
+
+
+class CollectiveAborted(PeerFailure):
+    """A collective was abandoned because the coordinator aborted its generation (or it timed out)."""
+
+
+class GenerationAborted(PeerFailure):
+    """The coordinator replaced this generation: unwind the step and recover."""
+
+
 class ProtocolError(DeadPoolError):
     """A message broke the protocol: wrong token, stale generation, bad header."""
+
+
+class ChecksumMismatch(ProtocolError):
+    """A replica arrived with bytes that do not match its checksum; it is dropped, the stream goes on."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class SwapAborted(DeadPoolError):
@@ -31,3 +53,7 @@ class AuthenticationError(ControlPlaneError):
 
 class StoreTimeout(ControlPlaneError):
     """A key awaited in the coordinator's store did not appear in time."""
+
+
+class InjectedError(Exception):
+    """Raised by an `error` fault: stands for a bug in the training script (so not a DeadPoolError)."""

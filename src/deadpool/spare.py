@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable
 
 from deadpool.runtime.context import Context
-from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
 from deadpool.runtime.recovery import hand_over
 
@@ -47,7 +47,7 @@ class Standby:
             if ctx.proc not in inc.plan.spares:
                 ctx.events.emit("spare_dismissed", reason=inc.plan.reason)
                 sys.exit(0)
-            ctx.events.generation = gen
+            assume(ctx, inc)
             for rank in inc.plan.sends_from(ctx.proc):
                 hand_over(ctx, inc, rank, self.held.slots.get(rank, []))
             ctx.events.emit("spare_holding", ranks=self.held.start(inc))

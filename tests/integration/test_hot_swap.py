@@ -7,7 +7,7 @@ import time
 import pytest
 
 from deadpool.config import Fault
-from deadpool.runtime.session import CALIBRATION_STEPS
+from deadpool.runtime.loop import CALIBRATION_STEPS
 
 from .conftest import Job, run_job
 

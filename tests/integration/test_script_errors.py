@@ -6,7 +6,7 @@ import time
 
 from deadpool.config import Fault
 
-from .conftest import run_job
+from .conftest import SCRIPTS, run_job
 
 
 def test_an_exception_in_train_step_stops_the_job_without_a_swap(tmp_path):
@@ -38,3 +38,21 @@ def test_a_script_that_fails_before_init_stops_the_job(tmp_path):
     assert "exited with code 1 before deadpool.init()" in job.summary["error"]
     assert "not a node failure" in job.summary["error"]
     assert not job.named("failure_detected") and not job.named("spare_called")
+
+
+def test_a_scripts_own_timeout_error_stops_the_job_without_a_swap(tmp_path):
+    """An error of the script's own that speaks of sockets and timeouts is still the script's: it is not
+    raised where DeadPool communicates, and no abort follows it."""
+    job = run_job(tmp_path, steps=6, workers=2, spares=1, script=SCRIPTS / "own_timeout.py", script_args=())
+    assert job.code == 1 and job.summary["swaps"] == 0
+    [stopped] = job.named("script_error")
+    assert (stopped["rank"], stopped["step"], stopped["proc"]) == (1, 3, "w1")
+    assert job.summary["error"].startswith("error in the training script on rank 1 (w1) at step 3: raised "
+                                           "TimeoutError: socket timed out")
+    assert not job.named("failure_detected") and not job.named("spare_called")
+    assert [e["proc"] for e in job.named("failure_seen")] in ([], ["w0"])  # w0 may see w1 go, never w1 itself
+    [judged] = [e for e in job.named("error_judged") if e["proc"] == "w1"]
+    assert (judged["error"], judged["failure"]) == ("TimeoutError", False)
+    assert judged["reason"] == "raised outside torch.distributed, and the generation was not aborted within 1 s"
+    log = (tmp_path / "logs" / "w1.log").read_text()
+    assert log.count("Traceback (most recent call last)") == 1 and "TimeoutError: socket timed out" in log

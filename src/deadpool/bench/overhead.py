@@ -49,7 +49,7 @@ from deadpool.errors import ConfigError
 from deadpool.events import read_events
 from deadpool.launcher.launch import launch
 from deadpool.launcher.options import EXAMPLE, default_out
-from deadpool.runtime.session import CALIBRATION_STEPS
+from deadpool.runtime.loop import CALIBRATION_STEPS
 
 RUN_TIMEOUT_S = 120  # a torchrun run's start-up allowance; each step adds 30 s (the 50M preset takes seconds)
 

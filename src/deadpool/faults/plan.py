@@ -8,11 +8,8 @@ from typing import Any
 
 from deadpool.config import Fault
 from deadpool.coordinator.protocol import Keys
+from deadpool.errors import InjectedError
 from deadpool.events import EventLog
-
-
-class InjectedError(Exception):
-    """Raised by an `error` fault: stands for a bug in the training script."""
 
 
 class FaultInjector:

@@ -1,4 +1,5 @@
-"""Process groups per generation, and the data-parallel wrapper that is rebuilt on each new group."""
+"""Process groups per generation, DeadPool's own collectives (a failure in one is a peer's), and the data-parallel
+wrapper that is rebuilt on each new group."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
 
-from deadpool.errors import ConfigError, ProtocolError
+from deadpool.errors import CollectiveAborted, ConfigError, PeerFailure, ProtocolError
 from deadpool.runtime.plane import PlaneStore
 
 
@@ -34,23 +36,22 @@ def pick_backend(requested: str, device_index: int | None) -> tuple[str, torch.d
     return "nccl", device
 
 
-class CollectiveAborted(RuntimeError):
-    """A collective was abandoned because the coordinator aborted its generation."""
+@contextmanager
+def communicating(what: str) -> Iterator[None]:
+    """Marks DeadPool's own communication (its collectives, joining a generation's group): any error torch's
+    communication layer raises in it is a failure of some peer, raised as PeerFailure whatever its message
+    says. Only communication runs inside, so no error of the script's can be mistaken for one."""
+    try:
+        yield
+    except RuntimeError as error:  # gloo raises plain RuntimeError; torch's DistError types subclass it
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise PeerFailure(f"{what} failed: {type(error).__name__}: {first}") from error
 
 
-# Words in the messages of errors that torch's communication layer raises as plain RuntimeError (gloo
-# raises "Connection closed by peer", "Connection reset", "Timed out waiting ..." as RuntimeError).
-_COMM_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
-               "processgroup", "process group", "socket")
-
-
-def is_communication_error(error: BaseException) -> bool:
-    """True for errors of the communication layer (a failure of some rank), False for everything else
-    (a bug in the script). Decides whether a spare can help, so it errs towards the script: an error it
-    cannot place is a script error unless the coordinator aborts the generation soon after (session.py)."""
-    if isinstance(error, (dist.DistError, CollectiveAborted)):
-        return True
-    return isinstance(error, RuntimeError) and any(word in str(error).lower() for word in _COMM_WORDS)
+def collective(issue: Callable[[], Any], interrupted: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """One of DeadPool's own collectives: issued (async) and waited for with `finish`, its failures PeerFailure."""
+    with communicating(what):
+        finish(issue(), interrupted, timeout_s)
 
 
 def finish(work: Any, interrupted: Callable[[], bool], timeout_s: float) -> None:
@@ -240,7 +241,8 @@ class DataParallel(torch.nn.Module):
         if sync:
             with waiting("broadcast"):
                 for t in (*self.module.parameters(), *self.module.buffers()):
-                    finish(dist.broadcast(t.data, src=0, async_op=True), self.interrupted, self.timeout_s)
+                    collective(partial(dist.broadcast, t.data, src=0, async_op=True), self.interrupted,
+                               self.timeout_s, "the initial broadcast of rank 0's weights")
 
     def detach(self) -> None:
         self.attached = False
@@ -276,7 +278,8 @@ class DataParallel(torch.nn.Module):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / dist.get_world_size())
             with self.waiting("all_reduce"):
-                finish(dist.all_reduce(flat, async_op=True), self.interrupted, self.timeout_s)
+                collective(partial(dist.all_reduce, flat, async_op=True), self.interrupted, self.timeout_s,
+                           "the gradient all-reduce")
             offset = 0
             for p, g in zip(params, grads):
                 p.grad = flat[offset: offset + g.numel()].view_as(g)

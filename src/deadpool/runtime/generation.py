@@ -7,9 +7,14 @@ so nothing of generation g can write into g+1's keys, slots or groups.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from deadpool.coordinator.protocol import Keys, Plan
+from deadpool.coordinator.protocol import Keys, Plan, torchrun_env
+
+if TYPE_CHECKING:
+    from deadpool.runtime.context import Context
 
 
 @dataclass(frozen=True)
@@ -64,3 +69,13 @@ class Incarnation:
 
     def resumed_key(self) -> str:
         return self.keys.resumed(self.generation, self.my_rank())
+
+
+def assume(ctx: Context, inc: Incarnation) -> None:
+    """Makes `inc` this process's identity: the rank and generation its events and planned faults carry, and
+    torchrun's variables (RANK, WORLD_SIZE, ...) the script reads. The only place identity changes; it is
+    called wherever a process takes up an incarnation (its first, each recovery, a spare's standby)."""
+    ctx.events.generation = inc.generation
+    ctx.events.rank = ctx.faults.rank = inc.rank
+    if inc.rank is not None:
+        os.environ.update(torchrun_env(inc.rank, inc.world_size, ctx.config.nproc_per_node))

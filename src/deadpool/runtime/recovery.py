@@ -22,9 +22,11 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from deadpool.errors import SwapAborted, WorkerFailure
+from deadpool.errors import PeerFailure, SwapAborted, WorkerFailure
+from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
-from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.failures import RECOVERABLE
+from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.replica import receive_replica, send_replica
 from deadpool.runtime.slots import Slot
 
@@ -40,7 +42,7 @@ class State(enum.Enum):
 
 
 class Member(Protocol):
-    """What the state machine needs from the process it recovers (the Session implements it)."""
+    """What the state machine needs from the process it recovers (member.Member implements it)."""
 
     def leave(self) -> None:
         """Tears down everything of the current generation (idempotent)."""
@@ -55,12 +57,12 @@ class Member(Protocol):
         """The snapshot steps this rank can restore, checksums verified."""
 
     def join(self, inc: Incarnation) -> None:
-        """Becomes inc's rank: joins its process group (the default group); raises if that fails."""
+        """Becomes inc's rank: joins its process group (the default group); PeerFailure if a peer fails meanwhile."""
 
     def restore(self, step: int) -> None: ...
 
     def resume(self, step: int) -> None:
-        """Checks every rank restored `step`, restarts snapshots; raises if that fails."""
+        """Checks every rank restored `step`, restarts snapshots; PeerFailure if a peer fails meanwhile."""
 
 
 class Recovery:
@@ -103,7 +105,7 @@ class Recovery:
         inc = self.inc
         assert inc is not None
         if self.state is State.TRANSFER:
-            ctx.events.generation, ctx.events.rank, ctx.faults.rank = self.gen, inc.rank, inc.rank
+            assume(ctx, inc)
             self.state = State.REPORT if _transfer(ctx, member, inc) else State.AWAIT_PLAN
         elif self.state is State.REPORT:
             if self.failed_step is not None:
@@ -143,12 +145,13 @@ class Recovery:
         return None
 
     def _attempt(self, action: Callable[[], None]) -> bool:
-        """Joining or agreeing may fail because of another failure: the coordinator then publishes the next
-        generation, which this process waits for."""
+        """Joining or agreeing fails when another rank fails meanwhile (raised as PeerFailure where DeadPool
+        communicates): the coordinator then publishes the next generation, which this process waits for.
+        Any other error is a bug, and propagates: retrying it would hide it."""
         try:
             action()
             return True
-        except Exception as error:
+        except RECOVERABLE as error:
             self.ctx.events.emit("rejoin_failed", state=self.state.value,
                                  error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             self._again()
@@ -173,8 +176,9 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
         source = inc.plan.source_of(rank)
         if source is not None:
             deadline = time.monotonic() + ctx.config.recovery_timeout_s
-            slots, rejected = receive_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token, inc.generation,
-                                              ctx.config.collective_timeout_s, deadline, stopped)
+            with communicating(f"receiving rank {rank}'s replica from {source}"):
+                slots, rejected = receive_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token,
+                                                  inc.generation, ctx.config.collective_timeout_s, deadline, stopped)
             for mismatch in rejected:
                 ctx.events.emit("replica_rejected", of_rank=rank, step=mismatch.step, source=source,
                                 error=str(mismatch))
@@ -182,7 +186,7 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
             ctx.events.emit("replica_received", of_rank=rank, source=source)
         elif rank in held:
             member.take(held[rank])
-    except (InterruptedError, TimeoutError, RuntimeError) as error:
+    except (InterruptedError, TimeoutError, PeerFailure) as error:  # stopped, past the deadline, the holder failed
         ctx.events.emit("transfer_failed", of_rank=rank, error=str(error).splitlines()[0] if str(error) else "")
         return False
     finally:

@@ -19,20 +19,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from deadpool.errors import ProtocolError
+from deadpool.errors import ChecksumMismatch, ProtocolError
 from deadpool.runtime.context import wait_for_key
 from deadpool.runtime.slots import Slot, checksum, pick_slot
 
 MAGIC = 0x44504F4F4C  # "DPOOL"
 HEADER = 7
-
-
-class ChecksumMismatch(ProtocolError):
-    """A replica arrived with bytes that do not match its checksum; it is dropped, the stream goes on."""
-
-    def __init__(self, step: int, message: str) -> None:
-        super().__init__(message)
-        self.step = step
 
 
 def token_id(token: str) -> int:

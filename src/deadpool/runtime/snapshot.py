@@ -26,17 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deadpool.errors import ProtocolError, SwapAborted
+from deadpool.errors import GenerationAborted, ProtocolError, SwapAborted
+from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.replica import ReplicaSender
 from deadpool.runtime.slots import Slot, checksums, free_slot, make_meta
 from deadpool.runtime.state import ALIGN, Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
-
-
-class GenerationAborted(Exception):
-    """The coordinator replaced this generation: unwind the step and recover."""
 
 
 @dataclass
@@ -347,8 +344,9 @@ class _Run:
     def _connect(self, holder: str, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:
             prefix = self.inc.pair_prefix(self.inc.my_rank(), holder)
-            senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.inc.generation,
-                                            self.ctx.config.collective_timeout_s)
+            with communicating(f"connecting to holder {holder}"):
+                senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.inc.generation,
+                                                self.ctx.config.collective_timeout_s)
 
     def _replicate(self, slot: Slot, holder: str, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
         self._connect(holder, store, senders)
@@ -356,8 +354,9 @@ class _Run:
         def midway() -> None:
             self.ctx.faults.point("replicate", slot.step or 0)
 
-        try:
-            senders[holder].send(slot, midway)
-        except ProtocolError as error:  # a corrupted transfer: send once more before giving up
-            self.ctx.events.emit("replica_rejected", step=slot.step, holder=holder, error=str(error))
-            senders[holder].send(slot)
+        with communicating(f"replicating snapshot {slot.step} to {holder}"):
+            try:
+                senders[holder].send(slot, midway)
+            except ProtocolError as error:  # a corrupted transfer: send once more before giving up
+                self.ctx.events.emit("replica_rejected", step=slot.step, holder=holder, error=str(error))
+                senders[holder].send(slot)

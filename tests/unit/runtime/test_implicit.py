@@ -1,9 +1,9 @@
-"""Tests for deadpool/runtime/session.py's StepVariables: which variables of a step function are script
+"""Tests for deadpool/runtime/implicit.py's StepVariables: which variables of a step function are script
 state (the names it rebinds with nonlocal or global), and their round trip through a snapshot."""
 
 import torch
 
-from deadpool.runtime.session import StepVariables
+from deadpool.runtime.implicit import StepVariables
 from deadpool.runtime.state import flatten, load_into, unflatten
 
 counter = 0

@@ -1,0 +1,72 @@
+"""The decisions every rank takes together, each one small collective of DeadPool's own.
+
+To stop after a step (session.stop() on any rank), how often to snapshot (`auto`), and that a recovery
+restored the same state everywhere. A failure in one is a peer's (PeerFailure)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from deadpool.errors import ProtocolError
+from deadpool.runtime.comms import DataParallel, collective
+
+if TYPE_CHECKING:
+    from deadpool.runtime.member import Member
+
+
+def agree_to_stop(member: Member, requested: bool) -> bool:
+    """True on every rank if any rank called stop() in this step (one small all-reduce per step)."""
+    flag = torch.tensor([int(requested)], dtype=torch.int64, device=member.device)
+    _all_reduce_max(member, flag, "stop", "the stop agreement")
+    return bool(flag.item())
+
+
+def agree_on_interval(member: Member) -> int:
+    """`auto`: the densest interval whose snapshot cost stays within the budget; ranks take the max.
+
+    Every rank decides at the same step (a collective), whatever it measured: a spare that just took over
+    has measured little, and the others' costs decide."""
+    config, engine = member.ctx.config, member.engine
+    cost = statistics.median(engine.costs) if engine.costs else 0.0
+    step_s = statistics.median(member.progress.step_times)
+    chosen = torch.tensor([max(1, math.ceil(cost / (config.snapshot_budget * step_s)))], dtype=torch.int64,
+                          device=member.device)
+    _all_reduce_max(member, chosen, "all_reduce", "the snapshot interval agreement")
+    every = int(chosen.item())
+    member.ctx.events.emit("snapshot_interval", every=every, cost_s=cost, step_s=step_s, budget=config.snapshot_budget)
+    if member.rank == 0:
+        print(f"[deadpool] snapshot-every auto: a snapshot costs {cost * 1e3:.0f} ms, "
+              f"a step {step_s * 1e3:.0f} ms; snapshotting every {every} steps keeps it within "
+              f"{config.snapshot_budget:.1%}",
+              flush=True)
+    return every
+
+
+def agree_on_restore(member: Member, target: int) -> None:
+    """All ranks must hold the same step and, data-parallel, bit-identical parameters (sharded, each rank's
+    own shards: those are checked against the snapshot's checksum when it is restored)."""
+    assert member.watch is not None
+    crc = 0
+    if isinstance(member.model, DataParallel):
+        for p in member.model.module.parameters():
+            crc = zlib.crc32(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
+    mine = torch.tensor([target, crc], dtype=torch.int64, device=member.device)
+    everyone = [torch.zeros_like(mine) for _ in range(member.world_size)]
+    with member.progress.waiting_for("agree"):
+        collective(lambda: dist.all_gather(everyone, mine, async_op=True), member.watch.aborted,
+                   member.ctx.config.collective_timeout_s, "the agreement on the restored state")
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise ProtocolError(f"ranks disagree on the restored state: {[t.tolist() for t in everyone]}")
+
+
+def _all_reduce_max(member: Member, tensor: torch.Tensor, phase: str, what: str) -> None:
+    assert member.watch is not None
+    with member.progress.waiting_for(phase):
+        collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), member.watch.aborted,
+                   member.ctx.config.collective_timeout_s, what)

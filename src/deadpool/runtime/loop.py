@@ -1,0 +1,223 @@
+"""The step loop: runs the script's steps, snapshots them, and turns a failed step into a recovery.
+
+A failed step (a peer died or hung, the coordinator aborted the generation: runtime/failures.py decides)
+unwinds to this loop, which runs the recovery state machine (recovery.py) and goes on; a spare enters the
+same machine when it is given a rank. An exception of the script's own is not a failure a spare can fix:
+it propagates (session.py reports it to the coordinator, which stops the job).
+
+    TRAINING --failure--> leave generation g --recover()--> restored, rejoined g+1 --> TRAINING
+    TRAINING --script error--> re-raise (traceback, exit 1; the job stops)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from deadpool.errors import GenerationAborted, SwapAborted, WorkerFailure
+from deadpool.events import EventLog
+from deadpool.runtime.agree import agree_on_interval, agree_to_stop
+from deadpool.runtime.comms import guard_exit
+from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
+from deadpool.runtime.member import Member
+from deadpool.runtime.recovery import Recovery
+from deadpool.runtime.state import state_sha256
+from deadpool.runtime.watch import Progress
+
+CALIBRATION_STEPS = 5  # `auto` snapshots every step until this step, then picks an interval
+FINISHED = "finished"  # the last phase a rank reports: the coordinator expects silence after it
+
+
+class StepLoop:
+    """Stateful as the snapshot's "deadpool" entry: the step counter and the snapshot interval."""
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
+        every = member.ctx.config.snapshot_every
+        self.calibrating = every == "auto"
+        self.every = 1 if self.calibrating else int(every)
+        self.frontier = 0  # the furthest step run: steps up to it are replays
+        self.stop_requested = False  # session.stop() was called in this step
+        self.stopped = False         # every rank agreed to end the run after this step
+        self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
+        self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
+        self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.member.step, "every": self.every, "calibrating": self.calibrating}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loaded only by a recovery's restore: the run goes on from the restored step, and its next step
+        is snapshotted whatever the interval, so that the replicas are compared right after a recovery."""
+        self.member.step, self.every, self.calibrating = state["step"], state["every"], state["calibrating"]
+        self.stop_requested = self.stopped = False
+        self.check_next = True
+
+    def run(self, train_step: Callable[[int], Any], steps: int | None) -> None:
+        """Runs steps until `steps` or an agreed stop, recovering from failures on the way."""
+        _count_compilation_as_waiting(self.member.progress, self.member.ctx.events)
+        cause = "activated as a spare" if self.recovery is not None else self._attempt(self._begin)
+        while cause or not (self.stopped or (steps is not None and self.member.step >= steps)):
+            if cause:
+                self._recover(cause)
+            cause = self._attempt(lambda: self._one_step(train_step))
+        self._finish()
+
+    # ---- steady state --------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """A fresh job: rank 0's initial weights win, and snapshot 0 is committed before step 1 runs, so
+        that a failure at any moment after this is recoverable."""
+        member = self.member
+        assert member.watch is not None
+        member.attach(sync=True)
+        member.engine.start(member.inc, member.watch)
+        member.hold()
+        if self.every:
+            member.engine.capture(0, member.tree)
+            with member.progress.waiting_for("commit"):
+                member.engine.wait_committed(0)
+
+    def point(self, phase: str) -> None:
+        """A point of the step the coordinator sees progress at, and where a planned fault may fire."""
+        self.member.progress.mark(self.member.step + 1, phase)
+        self.member.ctx.faults.point(phase, self.member.step + 1)
+
+    def mark_backward(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        """A forward hook: the gradient of this output is computed in the middle of backward."""
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self.point("backward"))
+
+    def before_optimizer_step(self) -> None:
+        """The state may change from here on, so the last snapshot's copy must be complete."""
+        with self.member.progress.waiting_for("snapshot_copy"):
+            self.member.engine.wait_copied()
+        self.member.progress.mark(self.member.step + 1, "optimizer")
+
+    def _one_step(self, train_step: Callable[[int], Any]) -> None:
+        member = self.member
+        if member.watch is None or member.watch.aborted():
+            raise GenerationAborted(f"generation {member.inc.generation} was aborted by the coordinator")
+        step = member.step + 1
+        self.point("step_start")
+        self.stop_requested = False
+        start, waited = time.monotonic(), member.engine.wait_s
+        loss = train_step(step)
+        member.step = step
+        duration = time.monotonic() - start
+        member.progress.record_step(duration)
+        member.progress.mark(step, "step_end")
+        value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        member.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=member.engine.wait_s - waited,
+                               replay=step <= self.frontier)
+        if self.every and (step % self.every == 0 or self.check_next):
+            member.engine.capture(step, member.tree)
+            self.check_next = False
+        if self.calibrating and step >= CALIBRATION_STEPS:
+            self.every, self.calibrating = agree_on_interval(member), False
+        self.stopped = agree_to_stop(member, self.stop_requested)
+        if self.stopped and member.rank == 0:
+            member.ctx.events.emit("stopped", step=step, reason="session.stop()")
+
+    def _finish(self) -> None:
+        member = self.member
+        if self.every:
+            with member.progress.waiting_for("commit"):
+                member.engine.drain()
+        # The training state: everything registered, the RNGs and the step, not DeadPool's own settings. The
+        # step function's variables have their own digest but stay out of the whole: they may hold timings.
+        training = {name: obj for name, obj in member.tree.items() if name != "deadpool"}
+        digests = {**state_sha256(training), "step": str(member.step)}
+        whole = hashlib.sha256("".join(digests[k] for k in sorted(digests) if k != "variables").encode()).hexdigest()
+        member.ctx.events.emit("finished", step=member.step, state_sha256=whole, entry_sha256=digests)
+        if member.watch is not None:
+            member.watch.close(last_words=FINISHED)
+            member.watch = None
+        # The process group stays: the script may still use it (a final barrier, an evaluation) and destroy
+        # it with dist.destroy_process_group(), as after DDP. Failures from here on are not recovered.
+        member.engine.stop()
+        member.held.stop()  # the last snapshot is committed: every holder has acknowledged every rank's copy
+
+    # ---- failures ------------------------------------------------------------------------
+
+    def _attempt(self, action: Callable[[], None]) -> str | None:
+        """Runs one unit of work; a failure of some rank comes back as text (so the exception, and the
+        frames holding the old process group, are gone before recovery starts). Anything else is the
+        script's own error (or a bug of DeadPool's) and propagates."""
+        try:
+            action()
+            return None
+        except Exception as error:
+            verdict = self._judge(error)
+            if not verdict.failure:
+                self.fatal = error
+                raise
+            first = str(error).splitlines()[0] if str(error) else ""
+            return f"{type(error).__name__}: {first}"
+
+    def _judge(self, error: Exception) -> Verdict:
+        """failures.classify, with this generation's abort and the job's end; the rank counts as waiting
+        meanwhile (it waits on the coordinator, and must not be fenced as hung)."""
+        ctx, watch = self.member.ctx, self.member.watch
+        with self.member.progress.waiting_for("judging_error"):
+            verdict = classify(error, aborted=lambda: watch is not None and watch.aborted(),
+                               ended=lambda: ctx.store.check([ctx.keys.shutdown()]),
+                               plan_wait_s=ctx.config.plan_wait_s, poll_s=ctx.config.poll_interval_s)
+        if not isinstance(error, RECOVERABLE):  # judged by where it came from and what followed: say how
+            ctx.events.emit("error_judged", error=type(error).__name__, failure=verdict.failure, reason=verdict.reason)
+        return verdict
+
+    def _recover(self, cause: str) -> None:
+        """Leaves the failed generation and runs the recovery state machine into the next one."""
+        member, started = self.member, time.monotonic()
+        guard_exit()
+        activated = self.recovery is not None  # a spare whose recovery began in init(): it is in the group already
+        if not activated:
+            self.frontier = max(self.frontier, member.step)
+            member.ctx.events.emit("failure_seen", cause=cause, step=member.step)
+            member.leave()
+        recovery = self.recovery or Recovery(member.ctx, member, member.inc.generation, member.step + 1)
+        self.recovery = None
+        try:
+            done = recovery.run()
+        except SwapAborted as error:
+            raise WorkerFailure(f"{member.ctx.proc} cannot continue after '{cause}': {error}") from None
+        except WorkerFailure:  # fenced out: the coordinator replaced this process already
+            raise
+        except Exception as error:  # a bug, in the recovery or the restored state: it stops the job
+            self.fatal = error
+            raise
+        assert done is not None
+        _, target = done
+        if activated:
+            member.ctx.events.emit("spare_activated", restored_step=target)
+        print(f"[deadpool] rank {member.rank}: generation {member.inc.generation}, rolled back to step {target} "
+              f"(was at {self.frontier}) in {time.monotonic() - started:.2f} s", flush=True)
+
+
+def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:
+    """torch.compile's first step can take minutes, one rank finishing before another: a rank compiling
+    is marked as waiting, so the hang detector does not fence it (its heartbeat still shows it alive).
+    Each compilation is logged: one on a spare after `spare_activated` means its warm-up did not match
+    training (TORCH_LOGS=recompiles says which guard failed)."""
+    if "torch._dynamo" not in sys.modules:  # imported by creating an optimizer, so present in practice
+        return
+    from torch._dynamo import callback
+
+    saved: list[tuple[str, bool, float]] = []
+
+    def start(_: Any) -> None:
+        saved.append((progress.phase, progress.waiting, time.monotonic()))
+        progress.phase, progress.waiting = "compile", True
+
+    def end(_: Any) -> None:
+        if saved:
+            progress.phase, progress.waiting, started = saved.pop()
+            events.emit("compiled", step=progress.step, duration_s=time.monotonic() - started)
+
+    callback.on_compile_start(start)
+    callback.on_compile_end(end)

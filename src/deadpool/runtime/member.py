@@ -1,0 +1,165 @@
+"""This process's membership in one generation after another, and its part in recovery (recovery.Member).
+
+Everything that lives for one generation (the watch, the default process group, the model's attachment
+to it, the snapshot engine's run, the receivers of held replicas) is built from the incarnation in
+`enter` and `resume` and torn down together in `leave`; the state they serve (the snapshot's tree, the
+model, the optimizers, the slots) outlives them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from deadpool.coordinator.protocol import ENV_DEVICE
+from deadpool.runtime.agree import agree_on_restore
+from deadpool.runtime.comms import DataParallel, abandon_group, communicating, join_group, leave_group, pick_backend
+from deadpool.runtime.context import Context
+from deadpool.runtime.generation import Incarnation, assume
+from deadpool.runtime.holding import Holdings
+from deadpool.runtime.sharded import ShardedModel
+from deadpool.runtime.slots import Slot
+from deadpool.runtime.snapshot import SnapshotEngine
+from deadpool.runtime.state import Stateful, load_into, one_mesh, unflatten
+from deadpool.runtime.watch import Progress, Watch
+
+
+class Member:
+    """One process's rank in the current generation (`inc`, the one place the generation lives)."""
+
+    def __init__(self, ctx: Context, inc: Incarnation, held: Holdings | None = None) -> None:
+        self.ctx = ctx
+        self.inc = inc
+        assume(ctx, inc)
+        self.backend, self.device = pick_backend(ctx.config.backend, _device_index(ctx, inc))
+        if self.device.type == "cuda":
+            ctx.store.set(ctx.keys.device(ctx.proc), str(self.device.index))
+            if ctx.config.deterministic:
+                _use_deterministic_kernels()
+        self.step = 0  # the last step completed: the step loop advances it, a restore rolls it back
+        self.progress = Progress()
+        self.engine = SnapshotEngine(ctx, self.device)
+        self.watch: Watch | None = None
+        self.held = held or Holdings(ctx)  # other ranks' replicas: a spare's, or a peer's when spares run short
+        self.model: DataParallel | ShardedModel | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.tree: dict[str, Stateful] = {}  # everything a snapshot holds, named (built by Session.run)
+
+    @property
+    def rank(self) -> int:
+        return self.inc.my_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.inc.world_size
+
+    # ---- one generation ------------------------------------------------------------------
+
+    def enter(self) -> None:
+        """Builds this generation's watch and joins its process group (PeerFailure if a peer fails meanwhile)."""
+        self.watch = Watch(self.ctx, self.inc, self.progress, on_abort=lambda: abandon_group(self.device))
+        start = time.monotonic()
+        with communicating(f"joining generation {self.inc.generation}'s process group"):
+            join_group(self.ctx.store, self.inc.group_prefix(), self.backend, self.rank, self.world_size,
+                       self.ctx.config.collective_timeout_s)
+        self.ctx.events.emit("group_joined", duration_s=time.monotonic() - start, world_size=self.world_size,
+                             device=str(self.device))
+
+    def attach(self, sync: bool) -> None:
+        """Binds the model to this generation's group (`sync`: rank 0's weights win, at job start only)."""
+        assert self.watch is not None
+        if self.model is not None:
+            self.model.attach(sync, self.watch.aborted, self.progress.waiting_for,
+                              self.ctx.config.collective_timeout_s)
+
+    def hold(self) -> None:
+        """Starts receiving the peers' snapshots this process holds in this generation (spares ran short)."""
+        held = self.held.start(self.inc)
+        if held:
+            self.ctx.events.emit("holding", ranks=held)
+
+    def leave(self) -> None:
+        """Tears down everything of the current generation (safe to call twice)."""
+        if self.model is not None:
+            self.model.detach()
+        self.engine.stop()
+        self.held.stop()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        leave_group()
+
+    # ---- the recovery state machine's view of this process (recovery.Member) ---------------
+
+    def replicas(self) -> dict[int, list[Slot]]:
+        return self.held.slots
+
+    def take(self, slots: list[Slot]) -> None:
+        self.engine.slots = slots
+
+    def holdings(self) -> list[int]:
+        intact = self.engine.usable_steps()
+        for slot in self.engine.slots:
+            if slot.step is not None and slot.step not in intact:
+                self.ctx.events.emit("replica_rejected", of_rank=self.inc.rank, step=slot.step,
+                                     error="checksum mismatch in host memory; never restored from")
+        return intact
+
+    def join(self, inc: Incarnation) -> None:
+        """Becomes generation `inc`'s rank (recovery.py assumed its identity already): its watch and group."""
+        self.inc = inc
+        self.progress.mark(self.step, "rejoin")
+        self.enter()
+
+    def restore(self, step: int) -> None:
+        """Loads snapshot `step` from this rank's slot into the live state (the step loop's counters too)."""
+        skeleton, tensors, numpy_flags = self.engine.slot_for(step).tensors(self.device)
+        load_into(self.tree, unflatten(skeleton, tensors, numpy_flags, one_mesh(self.tree)))
+        self.engine.keep_only(step)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+
+    def resume(self, step: int) -> None:
+        """Checks that every rank restored the same state, then restarts snapshots, first sending the
+        restored one to holders placed anew."""
+        assert self.watch is not None
+        self.attach(sync=False)
+        agree_on_restore(self, step)
+        self.held.keep_only(self.inc.plan.held_by(self.ctx.proc))
+        self.hold()  # before sending: two peers may each hold the other's replica
+        self.engine.start(self.inc, self.watch)
+        fresh = self.inc.plan.fresh_for(self.rank)
+        if fresh:
+            with self.progress.waiting_for("resend"):
+                self.engine.resend(step, fresh)
+        self.ctx.store.set(self.inc.resumed_key(), str(step))
+
+
+def _device_index(ctx: Context, inc: Incarnation) -> int | None:
+    """This process's GPU: its own (the launcher's placement, coordinator/policy.place_devices) or, for a
+    spare that has none, the GPU of the process that held its rank before: that process is dead (it was
+    replaced), so its device is free. None: train on the CPU."""
+    own = os.environ.get(ENV_DEVICE, "")
+    if own:
+        return int(own)
+    for gen in range(inc.generation - 1, -1, -1):  # the latest earlier owner that had a device
+        previous = ctx.plan(gen).ranks[inc.my_rank()]
+        if ctx.store.check([ctx.keys.device(previous)]):
+            return int(ctx.store.get(ctx.keys.device(previous)))
+    return None
+
+
+def _use_deterministic_kernels() -> None:
+    """What a replayed step needs to compute the same bits on a GPU: torch's deterministic kernels (an op
+    that has none raises, naming itself), cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, set by the
+    launcher before CUDA starts) and cuDNN without autotuning. Uninitialised memory is not filled: that
+    costs a write per allocation and only matters to kernels that read memory they never wrote."""
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
