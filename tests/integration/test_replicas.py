@@ -1,14 +1,16 @@
 """Replica placement across nodes (--replicas K): a worker node and the spare node holding its ranks'
-only replicas die together, which no spare can recover with one copy and can with two; and once the
-spares run out, peer workers hold each other's replicas (host memory reported per holder)."""
+only replicas die together, which no spare can recover with one copy and can with two; once the
+spares run out, peer workers hold each other's replicas (host memory reported per holder); and holders
+that are still valid after a recovery stay, so the restored snapshot is resent only to new ones."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-from tests.integration.conftest import Background, Job
-from tests.integration.test_nodes import assert_same_training
+from deadpool.config import Fault
+from tests.integration.conftest import Background, Job, run_job
+from tests.integration.test_nodes import NODES, assert_same_training
 
 TWO_SPARE_NODES = dict(workers=4, spares=4, nproc_per_node=2, settle_s=0.5)  # nodes 0, 1: workers; 2, 3: spares
 
@@ -51,3 +53,20 @@ def test_with_two_replicas_on_two_spare_nodes_the_same_failure_is_recovered(tmp_
     snapshot = max(e["bytes"] for e in job.named("snapshot"))
     assert memory["w2"] >= 2 * 2 * snapshot  # two ranks held, two slots each
 
+
+
+def test_a_recovery_whose_holders_all_stay_valid_resends_nothing(tmp_path, reference):
+    """Rank 1 fails twice (spares s0, s1 on node 2). First s1 takes it; s0 shares s1's node, so peer w2
+    becomes rank 1's holder, and rank 3's holder s1 (a rank now) gives way to the idle s0: two resends.
+    Then s0 takes rank 1 from w2's copy, and every holder is still valid: nothing is resent."""
+    faults = tuple(Fault(kind="kill", rank=1, step=step, phase="backward") for step in (3, 7))
+    job = run_job(tmp_path, faults=faults, **NODES)
+    assert_same_training(job, reference)
+    first, second = job.summary["recoveries"]
+    assert first["replaced"] == {"1": "s1"} and second["replaced"] == {"1": "s0"}
+    [received] = [e for e in job.named("replica_received") if e["gen"] == 2]
+    assert received["source"] == "w2"  # s0 held no copy of rank 1
+    plans = job.named("plan_published")
+    assert [p["holders"] for p in plans] == [[["s0"], ["s1"], ["s0"], ["s1"]]] + [[["s0"], ["w2"], ["s0"], ["s0"]]] * 2
+    resent = sorted((e["gen"], e["rank"], e["holders"]) for e in job.named("snapshot_resent"))
+    assert resent == [(1, 1, ["w2"]), (1, 3, ["s0"])]  # placed anew by rotation, generation 2 had resent rank 2's

@@ -11,8 +11,9 @@ which GPU each process gets (place_devices).
 from __future__ import annotations
 
 import signal
+from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, Mapping, TypeVar
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 from deadpool.coordinator.protocol import Plan
 
@@ -75,14 +76,22 @@ def classify_exit(returncode: int, *, fenced: bool, started: bool, script_error:
 
 # ---- who replaces whom ---------------------------------------------------------------------
 
-def place_replicas(ranks: tuple[str, ...], spares: tuple[str, ...], replicas: int,
-                   nodes: Mapping[str, int]) -> Decision[tuple[tuple[str, ...], ...]]:
+Placement = tuple[tuple[str, ...], ...]  # rank -> the processes holding its replica
+
+
+def place_replicas(ranks: tuple[str, ...], spares: tuple[str, ...], replicas: int, nodes: Mapping[str, int],
+                   previous: Placement = ()) -> Decision[Placement]:
     """Who holds each rank's snapshots: `replicas` processes, none on the rank's own node (a node
     failure takes all of its processes at once). Spares first, since they have nothing else to do; peer
     workers when spares run short (the pool ran empty), paying host memory and some of their cores.
-    Within each kind, rank r starts from the r-th candidate off its node, so the load spreads evenly
-    (rank r -> spare r mod S; two ranks of a lost node go to two different peers), and holders on nodes
-    not used yet come before a second one on the same node.
+    Holders on nodes not used yet for the rank come before a second one on the same node.
+
+    With no `previous` placement (job start), rank r starts from the r-th candidate off its node within
+    each kind, so the load spreads evenly (rank r -> spare r mod S; two ranks of a lost node go to two
+    different peers). After a change of membership (`previous`: the holders of the steady plan, by
+    rank), every previous holder that these rules still allow stays, because a new one must first be sent
+    the restored snapshot, on the recovery's critical path; only the missing holders are filled, the
+    least loaded candidates first.
 
     `nodes` maps a process to its node; a process not in it is a machine of its own (one host)."""
     def node(proc: str) -> object:
@@ -91,24 +100,55 @@ def place_replicas(ranks: tuple[str, ...], spares: tuple[str, ...], replicas: in
     def rotate(procs: tuple[str, ...], k: int) -> list[str]:
         return [procs[(k + j) % len(procs)] for j in range(len(procs))]
 
+    kept = ([_still_valid(owner, old, ranks, spares, replicas, node) for owner, old in zip(ranks, previous)]
+            if previous else [()] * len(ranks))
+    load = Counter(h for held in kept for h in held)
     holders, short = [], []
     for r, owner in enumerate(ranks):
-        peers = rotate(tuple(p for p in ranks if node(p) != node(owner)), r)
-        chosen: list[str] = []
-        for kind in (rotate(spares, r), peers):
+        chosen = list(kept[r])
+        peers = tuple(p for p in ranks if node(p) != node(owner))
+        for kind in (rotate(spares, r), rotate(peers, r)):
+            if previous:
+                kind.sort(key=load.__getitem__)  # stable: among equals, the rotation decides
             for distinct in (True, False):
                 for proc in kind:
                     used = {node(c) for c in chosen}
                     if (len(chosen) < replicas and proc not in chosen and node(proc) != node(owner)
                             and not (distinct and node(proc) in used)):
                         chosen.append(proc)
+                        load[proc] += 1
         holders.append(tuple(chosen))
         if len(chosen) < replicas:
             short.append(r)
-    if short:
-        return Decision(tuple(holders), f"ranks {short} have fewer than {replicas} holder(s): no more processes "
-                                        "off their nodes")
-    return Decision(tuple(holders), f"{replicas} holder(s) per rank, spares first")
+    shortage = (f"ranks {short} have fewer than {replicas} holder(s): no more processes off their nodes"
+                if short else "")
+    if not previous:
+        return Decision(tuple(holders), shortage or f"{replicas} holder(s) per rank, spares first")
+    new = {r: [h for h in held if h not in old] for r, (held, old) in enumerate(zip(holders, previous))}
+    moved = {r: held for r, held in new.items() if held}
+    kept_text = ("holders kept for every rank" if not moved else
+                 f"holders kept for {len(ranks) - len(moved)} of {len(ranks)} ranks; "
+                 + ", ".join(f"rank {r} gets {' and '.join(held)}" for r, held in moved.items()))
+    return Decision(tuple(holders), "; ".join(filter(None, (kept_text, shortage))))
+
+
+def _still_valid(owner: str, old: tuple[str, ...], ranks: tuple[str, ...], spares: tuple[str, ...], replicas: int,
+                 node: Callable[[str], object]) -> tuple[str, ...]:
+    """The holders in `old` that place_replicas' rules still allow for the rank now run by `owner`: alive
+    (an idle spare, or a rank), never on the owner's node (nor the owner itself: a spare that took the
+    rank it held), and a peer worker only as far as the idle spares off that node cannot provide the
+    copies (a spare that took another rank is such a peer now)."""
+    peer_room = replicas - sum(1 for s in spares if node(s) != node(owner))
+    valid: list[str] = []
+    for h in old:
+        if node(h) == node(owner) or (h not in spares and h not in ranks):
+            continue
+        if h in ranks:
+            if peer_room <= 0:
+                continue
+            peer_room -= 1
+        valid.append(h)
+    return tuple(valid)
 
 
 def place_devices(workers: int, spares: int, gpus: int) -> Decision[tuple[int | None, ...]]:
@@ -192,17 +232,18 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
     else:
         reason = f"spare {', '.join(lost_spares)} lost; {len(pool)} left"
     rebuild = bool(dead) or generation != steady.generation or any(steady.held_by(s) for s in lost_spares)
-    # Replicas are placed anew with each generation; without one (an idle spare lost), they stay where they are.
-    holders = (place_replicas(tuple(ranks), tuple(pool), steady.replicas, steady.nodes).value
-               if rebuild and steady.replicate else steady.holders)
-    assert holders is not None
+    holders = steady.holders  # without a new generation (an idle spare lost), nothing moves
+    if rebuild and steady.replicate:  # valid holders stay; the reason names the ranks that get new ones
+        placed = place_replicas(tuple(ranks), tuple(pool), steady.replicas, steady.nodes, steady.holders)
+        assert placed.value is not None
+        holders, reason = placed.value, f"{reason}; {placed.reason}"
     new = Plan(generation=generation + rebuild, ranks=tuple(ranks), holders=holders,
                spares=tuple(pool), reason=reason, replicate=steady.replicate, sources=tuple(sources) if dead else (),
                replicas=steady.replicas, nodes=steady.nodes, fresh=fresh_holders(steady, holders))
     return Decision(new, reason)
 
 
-def fresh_holders(steady: Plan, holders: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
+def fresh_holders(steady: Plan, holders: Placement) -> Placement:
     """Per rank, its holders in `holders` that did not hold it under `steady`: they hold nothing of it
     yet. The old holders drop their copies once the new generation runs, so the restored snapshot must
     reach these first (Plan.fresh)."""
@@ -228,9 +269,13 @@ def extend_pool(plan: Plan, new_spares: Mapping[str, int]) -> Plan:
 
 def plan_after_join(steady: Plan, generation: int, new_spares: Mapping[str, int]) -> Decision[Plan]:
     """The next plan once the spares of nodes that joined the running job have started (`new_spares`:
-    process -> node): the same ranks, the pool extended. Holders are fixed for a generation, so placing
-    replicas on the newcomers takes a new one, in which everyone restores the last commit, as after a
-    lost holder. With snapshots off nobody holds anything: the pool grows in place, in the same one."""
+    process -> node): the same ranks, the pool extended. Spares that hold replicas keep them (moving
+    them would only cost resends); replicas that peer workers held because the pool had run short move
+    to the newcomers, which gives the workers their memory and cores back. Holders are fixed for a
+    generation, so this takes a new one, in which everyone restores the last commit, as after a lost
+    holder; it is published even when no holder moves, since the newcomers learn from the plan that they
+    are in the pool (spare.py). With snapshots off nobody holds anything: the pool grows in place, in the
+    same one."""
     if not new_spares:
         return Decision(None, "no spare joined")
     pool = extend_pool(steady, new_spares)
@@ -239,9 +284,9 @@ def plan_after_join(steady: Plan, generation: int, new_spares: Mapping[str, int]
               f"({', '.join(new_spares)}); {len(pool.spares)} spare(s) in the pool")
     if not steady.replicate:
         return Decision(replace(pool, sources=(), reason=joined), f"{joined}; snapshots are off, nothing to place")
-    holders = place_replicas(pool.ranks, pool.spares, steady.replicas, pool.nodes)
+    holders = place_replicas(pool.ranks, pool.spares, steady.replicas, pool.nodes, steady.holders)
     assert holders.value is not None  # placement always answers; `reason` says when holders run short
-    reason = f"{joined}; replicas placed anew: {holders.reason}"
+    reason = f"{joined}; {holders.reason}"
     return Decision(replace(pool, generation=generation + 1, holders=holders.value, sources=(), reason=reason,
                             fresh=fresh_holders(steady, holders.value)), reason)
 

@@ -207,7 +207,8 @@ def test_a_spare_dying_during_a_recovery_is_replanned_without_it():
     s, effects = advance(s, Inputs(), 11.0)
     plan = effects[0].plan
     assert (plan.generation, plan.ranks, plan.spares, plan.holders) == (2, ("w0", "s1"), (), (("s1",), ("w0",)))
-    assert plan.reason == "w1 (rank 1) failed; s1 takes rank 1"
+    assert plan.reason == ("w1 (rank 1) failed; s1 takes rank 1; holders kept for 0 of 2 ranks; rank 0 gets s1, "
+                           "rank 1 gets w0")  # s0 held rank 0, s1 rank 1: neither is a valid holder now
 
 
 def test_an_idle_spare_that_holds_nothing_shrinks_the_pool_in_place():

@@ -1,5 +1,7 @@
 """Tests for deadpool/coordinator/policy.py: each pure decision, its value and its reason."""
 
+from dataclasses import replace
+
 import pytest
 
 from deadpool.coordinator.policy import (
@@ -106,21 +108,21 @@ def test_initial_plan_without_replication_has_no_holders_but_keeps_spares():
 
 # ---- plan_after_failures --------------------------------------------------------------------
 
-def test_worker_failure_is_taken_over_by_its_holder():
+def test_worker_failure_is_taken_over_by_its_holder_and_only_its_rank_gets_a_new_one():
     plan = initial_plan(4, ("s0", "s1", "s2"))  # holders: s0, s1, s2, s0
     decision = plan_after_failures(plan, 0, frozenset({"w1"}))
-    reason = "w1 (rank 1) failed; s1 takes rank 1"
+    reason = "w1 (rank 1) failed; s1 takes rank 1; holders kept for 3 of 4 ranks; rank 1 gets s2"
     assert decision == Decision(Plan(
         generation=1, ranks=("w0", "s1", "w2", "w3"),
-        holders=(("s0",), ("s2",), ("s0",), ("s2",)),  # re-placed round robin on the remaining pool
+        holders=(("s0",), ("s2",), ("s2",), ("s0",)),  # rank 1's holder is its process now: s2 holds fewer
         spares=("s0", "s2"), reason=reason, sources=(None, None, None, None),
-        fresh=((), ("s2",), ("s0",), ("s2",))), reason)  # its new holders get the restored snapshot first
+        fresh=((), ("s2",), (), ())), reason)  # one resend of the restored snapshot (three by rotation)
 
 
 def test_last_spare_takes_over_and_leaves_no_holders():
     plan = initial_plan(2, ("s0",))
     decision = plan_after_failures(plan, 0, frozenset({"w0"}))
-    reason = "w0 (rank 0) failed; s0 takes rank 0"
+    reason = "w0 (rank 0) failed; s0 takes rank 0; holders kept for 1 of 2 ranks; rank 0 gets w1"
     assert decision == Decision(Plan(generation=1, ranks=("s0", "w1"), holders=(("w1",), ("s0",)), spares=(),
                                      reason=reason, sources=(None, None), fresh=(("w1",), ())),
                                 reason)  # the ranks hold each other's; s0 still holds rank 1's replica
@@ -130,7 +132,8 @@ def test_generation_counts_on_from_the_newest_published():
     plan = Plan(generation=5, ranks=("w0", "s0"), holders=(("s1",), ("s1",)), spares=("s1",))
     decision = plan_after_failures(plan, 5, frozenset({"s0"}))  # s0 is rank 1 now: a worker failure
     assert decision.value == Plan(generation=6, ranks=("w0", "s1"), holders=(("s1",), ("w0",)), spares=(),
-                                  reason="s0 (rank 1) failed; s1 takes rank 1", sources=(None, None),
+                                  reason="s0 (rank 1) failed; s1 takes rank 1; holders kept for 1 of 2 ranks; "
+                                         "rank 1 gets w0", sources=(None, None),
                                   fresh=((), ("w0",)))
 
 
@@ -138,7 +141,8 @@ def test_two_failures_whose_replicas_share_a_holder_stream_one_to_the_other_spar
     """The bug this policy fixes: ranks 0 and 2 both replicate to s0; s1 takes rank 2 from s0's copy."""
     plan = initial_plan(3, ("s0", "s1"))  # holders: s0, s1, s0
     decision = plan_after_failures(plan, 0, frozenset({"w0", "w2"}))
-    reason = "w0 (rank 0), w2 (rank 2) failed; s0 takes rank 0, s1 takes rank 2 (from s0's replica)"
+    reason = ("w0 (rank 0), w2 (rank 2) failed; s0 takes rank 0, s1 takes rank 2 (from s0's replica); "
+              "holders kept for 2 of 3 ranks; rank 0 gets w1")
     assert decision == Decision(Plan(generation=1, ranks=("s0", "w1", "s1"), holders=(("w1",), ("s1",), ("s0",)),
                                      spares=(), reason=reason, sources=(None, None, "s0"),
                                      fresh=(("w1",), (), ())), reason)  # s1, s0 keep ranks 1, 2's copies
@@ -222,16 +226,16 @@ def test_first_live_holder_in_holder_order_is_chosen():
     plan = Plan(generation=0, ranks=("w0",), holders=(("s1", "s0"),), spares=("s0", "s1"))
     decision = plan_after_failures(plan, 0, frozenset({"w0"}))
     assert decision.value.ranks == ("s1",) and decision.value.spares == ("s0",)
-    assert decision.reason == "w0 (rank 0) failed; s1 takes rank 0"
+    assert decision.reason == "w0 (rank 0) failed; s1 takes rank 0; holders kept for every rank"  # s0 holds it
 
 
-def test_failed_spare_with_replicas_starts_a_generation_to_place_them_anew():
-    plan = initial_plan(4, ("s0", "s1", "s2"))
+def test_failed_spare_with_replicas_starts_a_generation_to_place_its_ranks_anew():
+    plan = initial_plan(4, ("s0", "s1", "s2"))  # holders: s0, s1, s2, s0
     decision = plan_after_failures(plan, 0, frozenset({"s1"}))
-    reason = "spare s1 lost; 2 left"
+    reason = "spare s1 lost; 2 left; holders kept for 3 of 4 ranks; rank 1 gets s2"
     assert decision == Decision(Plan(
-        generation=1, ranks=WORKERS, holders=(("s0",), ("s2",), ("s0",), ("s2",)), spares=("s0", "s2"),
-        reason=reason, fresh=((), ("s2",), ("s0",), ("s2",))), reason)
+        generation=1, ranks=WORKERS, holders=(("s0",), ("s2",), ("s2",), ("s0",)), spares=("s0", "s2"),
+        reason=reason, fresh=((), ("s2",), (), ())), reason)  # only the rank s1 held is resent
 
 
 def test_failed_spare_without_replicas_only_shrinks_the_pool():
@@ -252,6 +256,57 @@ def test_spare_loss_keeps_snapshots_off():
     assert decision.value.holders == ((), ())
 
 
+# ---- sticky placement: holders that are still valid stay, only the missing ones are placed -----------
+
+ONE_SPARE_NODE = node_map(4, 2, 2)  # workers on nodes 0, 1; spares s0, s1 on node 2
+
+
+def test_a_previous_holder_stays_unless_lost_on_the_ranks_node_or_a_peer_where_a_spare_can_hold():
+    decision = place_replicas(("w0", "s1", "w2", "w3"), ("s0", "s2"), 1, NODES,
+                              previous=(("s3",), ("s0",), ("s1",), ("s2",)))
+    # rank 0: s3 is lost; rank 1: s1 now runs it on node 2, where s0 is; rank 2: s1 is a rank, spares are idle
+    assert decision == Decision((("s0",), ("s2",), ("s0",), ("s2",)),
+                                "holders kept for 1 of 4 ranks; rank 0 gets s0, rank 1 gets s2, rank 2 gets s0")
+
+
+def test_a_lost_node_moves_only_its_ranks_holders():
+    plan = initial_plan(4, ("s0", "s1", "s2", "s3"), nodes=NODES)  # holders: s0, s1, s2, s3
+    decision = plan_after_failures(plan, 0, frozenset({"w2", "w3"}))
+    reason = ("w2 (rank 2), w3 (rank 3) failed; s2 takes rank 2, s3 takes rank 3; holders kept for 2 of 4 ranks; "
+              "rank 2 gets s0, rank 3 gets s1")
+    assert decision == Decision(Plan(
+        generation=1, ranks=("w0", "w1", "s2", "s3"), holders=(("s0",), ("s1",), ("s0",), ("s1",)),
+        spares=("s0", "s1"), reason=reason, sources=(None, None, None, None), nodes=NODES,
+        fresh=((), (), ("s0",), ("s1",))), reason)  # their holders became their processes: nothing else moves
+
+
+def test_with_two_replicas_only_the_copy_that_took_the_rank_is_replaced():
+    plan = initial_plan(4, ("s0", "s1", "s2", "s3"), replicas=2, nodes=NODES)  # (s0 s2) (s1 s2) (s2 s0) (s3 s0)
+    decision = plan_after_failures(plan, 0, frozenset({"w1"}))
+    reason = "w1 (rank 1) failed; s1 takes rank 1; holders kept for 3 of 4 ranks; rank 1 gets s3"
+    assert decision == Decision(Plan(
+        generation=1, ranks=("w0", "s1", "w2", "w3"), holders=(("s0", "s2"), ("s2", "s3"), ("s2", "s0"), ("s3", "s0")),
+        spares=("s0", "s2", "s3"), reason=reason, sources=(None, None, None, None), replicas=2, nodes=NODES,
+        fresh=((), ("s3",), (), ())), reason)  # s1 runs rank 1 on node 2 now: its copies go to node 3 only
+    # placed anew by rotation, ranks 1, 2 and 3 would each have had a new holder to send to
+
+
+def test_a_spare_that_took_a_rank_holds_its_peers_only_when_spares_run_short():
+    """Rank 1's taker s1 shares node 2 with the last spare, so a peer (w2) holds rank 1; rank 3 leaves s1
+    for s0, since an idle spare comes before a peer. When rank 1 fails again, s0 takes it from w2's copy
+    and holds its peers' as a worker now: every holder is still valid, nobody resends anything."""
+    first = plan_after_failures(initial_plan(4, ("s0", "s1"), nodes=ONE_SPARE_NODE), 0, frozenset({"w1"}))
+    assert first.value.holders == (("s0",), ("w2",), ("s0",), ("s0",))
+    assert first.value.fresh == ((), ("w2",), (), ("s0",))
+    assert first.reason == "w1 (rank 1) failed; s1 takes rank 1; holders kept for 2 of 4 ranks; rank 1 gets w2, " \
+                           "rank 3 gets s0"
+    second = plan_after_failures(first.value, 1, frozenset({"s1"}))
+    reason = "s1 (rank 1) failed; s0 takes rank 1 (from w2's replica); holders kept for every rank"
+    assert second == Decision(Plan(
+        generation=2, ranks=("w0", "s0", "w2", "w3"), holders=(("s0",), ("w2",), ("s0",), ("s0",)), spares=(),
+        reason=reason, sources=(None, "w2", None, None), nodes=ONE_SPARE_NODE), reason)  # fresh: () (rotation: 1)
+
+
 # ---- the pool over time: spare nodes that join, and waiting for one -----------------------
 
 EMPTY_POOL = Plan(generation=1, ranks=("w0", "w1", "s0", "s1"), holders=(("s0",), ("s1",), ("w0",), ("w1",)),
@@ -269,6 +324,27 @@ def test_a_spare_node_that_joins_takes_the_replicas_in_a_new_generation():
     assert plan.generation == 2 and plan.ranks == EMPTY_POOL.ranks and plan.spares == ("s2", "s3")
     assert plan.holders == (("s2",), ("s3",), ("s2",), ("s3",)) and plan.sources == ()  # off the workers
     assert plan.nodes["s2"] == 3 and decision.reason.startswith("spare node 3 joined (s2, s3); 2 spare(s) in the pool")
+
+
+def test_a_spare_node_that_joins_relieves_the_peers_and_leaves_the_spares_holders_where_they_are():
+    """Peers held only because the pool ran short: the newcomers relieve them. Spares keep what they hold,
+    since moving a replica costs a resend and frees nothing."""
+    steady = plan_after_failures(initial_plan(4, ("s0", "s1"), nodes=ONE_SPARE_NODE), 0, frozenset({"w1"})).value
+    assert steady.holders == (("s0",), ("w2",), ("s0",), ("s0",))  # w2 holds rank 1: s0 shares s1's node
+    decision = plan_after_join(steady, 1, {"s2": 3, "s3": 3})
+    reason = "spare node 3 joined (s2, s3); 3 spare(s) in the pool; holders kept for 3 of 4 ranks; rank 1 gets s2"
+    assert decision == Decision(replace(
+        steady, generation=2, holders=(("s0",), ("s2",), ("s0",), ("s0",)), spares=("s0", "s2", "s3"),
+        nodes={**ONE_SPARE_NODE, "s2": 3, "s3": 3}, sources=(), reason=reason, fresh=((), ("s2",), (), ())), reason)
+
+
+def test_a_join_that_moves_no_holder_resends_nothing():
+    """The new generation is still published (the newcomer learns from its plan that it is in the pool),
+    but no rank sends its restored snapshot anywhere."""
+    decision = plan_after_join(initial_plan(2, ("s0",)), 0, {"s1": 1})
+    reason = "spare node 1 joined (s1); 2 spare(s) in the pool; holders kept for every rank"
+    assert decision == Decision(Plan(generation=1, ranks=("w0", "w1"), holders=(("s0",), ("s0",)),
+                                     spares=("s0", "s1"), nodes={"s1": 1}, reason=reason), reason)
 
 
 def test_a_join_with_snapshots_off_grows_the_pool_without_a_new_generation():
