@@ -244,7 +244,7 @@ def pulse(step: int, beat: int, waiting: bool = False, phase: str = "backward", 
 
 def test_a_silent_rank_is_fenced_after_the_silence_timeout_and_its_exit_starts_the_swap():
     """5 s steps make the hang timeout 40 s; the rank whose heartbeat stopped is fenced 2 s after its last beat."""
-    s = started()
+    s = started(replace(CONFIG, silence_timeout_s=2.0))
     steady = durable(s, 0)
     s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 1, step_s=5.0), "w1": pulse(3, 1, step_s=5.0)}), 1.0)
     assert emitted(effects, "hang_timeout") == [{
@@ -267,7 +267,7 @@ def test_a_silent_rank_is_fenced_after_the_silence_timeout_and_its_exit_starts_t
 
 
 def test_a_rank_that_beats_without_progress_is_fenced_after_the_hang_timeout():
-    s = started(replace(CONFIG, hang_timeout_s=5.0))
+    s = started(replace(CONFIG, hang_timeout_s=5.0, silence_timeout_s=2.0))
     steady = durable(s, 0)
     s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 1), "w1": pulse(3, 1)}), 1.0)
     assert emitted(effects, "hang_timeout") == [{"timeout_s": 5.0, "reason": "--hang-timeout 5 s",
