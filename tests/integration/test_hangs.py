@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from deadpool.config import Fault
+from deadpool.config import SILENCE_TIMEOUT_S, Fault
 
-from .conftest import SMALL, Job, run_job
+from .conftest import SCRIPTS, SMALL, Job, run_job
 from .test_hot_swap import assert_same_training
 
 SPINNING = Path(__file__).with_name("scripts") / "spinning_train.py"
@@ -45,3 +45,19 @@ def test_a_rank_spinning_in_python_is_fenced_and_swapped_bit_for_bit(tmp_path, r
     assert_hung_rank_swapped(job, 1)
     [verdict] = job.named("hang_detected")
     assert "made no progress" in verdict["reason"] and "silent" not in verdict["reason"]  # it kept beating
+
+
+def test_a_silent_rank_is_fenced_after_the_silence_timeout_whatever_the_step_time(tmp_path):
+    """Steps slowed to 1 s make the hang timeout 8 s or more; the SIGSTOPped rank, whose heartbeat stops, is
+    fenced by the silence timeout instead (read from the events: wall-clock thresholds fail on a busy host)."""
+    job = run_job(tmp_path, steps=3, workers=2, script=SCRIPTS / "slow_steps.py", script_prefix=("1.0",),
+                  faults=(Fault(kind="hang", rank=1, step=2, phase="backward"),))
+    assert job.code == 0
+    assert_hung_rank_swapped(job, 1)
+    at = next(i for i, e in enumerate(job.events) if e["event"] == "hang_detected")
+    [*_, in_force] = [e for e in job.events[:at] if e["event"] == "hang_timeout"]
+    assert in_force["timeout_s"] >= 8.0 and in_force["silence_timeout_s"] == SILENCE_TIMEOUT_S
+    [verdict] = job.named("hang_detected")
+    assert (verdict["rule"], verdict["timeout_s"]) == ("silence", SILENCE_TIMEOUT_S)
+    assert verdict["reason"].startswith("rank 1 silent (no heartbeat) for ")
+    assert f"(silence timeout {SILENCE_TIMEOUT_S:g} s)" in verdict["reason"]

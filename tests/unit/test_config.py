@@ -119,8 +119,19 @@ def test_settle_window_must_end_before_the_recovery_timeout():
 
 
 def test_accepts_tight_but_ordered_timeouts():
-    config = job(poll_interval_s=0.01, settle_s=0.0, recovery_timeout_s=0.03, collective_timeout_s=0.04)
+    config = job(poll_interval_s=0.01, settle_s=0.0, recovery_timeout_s=0.03, collective_timeout_s=0.04,
+                 silence_timeout_s=0.02)
     assert config.collective_timeout_s == 0.04
+
+
+@pytest.mark.parametrize("silence", [0.02, 60.0, float("nan")])
+def test_silence_timeout_lies_between_the_poll_interval_and_the_collective_timeout(silence):
+    """Silence shorter than a poll cannot be seen; a survivor must not give up on a collective before its
+    silent peer is fenced."""
+    message = (f"--silence-timeout must lie between the poll interval (0.02s) and the collective timeout (60.0s), "
+               f"got {silence}s")
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        job(silence_timeout_s=silence)
 
 
 def test_rejects_nan_connect_timeout():

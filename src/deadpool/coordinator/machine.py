@@ -232,16 +232,18 @@ def _look_for_hangs(s: State, beats: Mapping[str, Heartbeat], now: float, out: l
     if len(pulses) < len(procs):
         return s  # detection starts once every rank of this generation has a heartbeat
     timeout = hang_timeout(s.config.hang_timeout_s, [v.beat.step_s for v in live.values() if v.beat and v.beat.step_s])
+    silence_s = s.config.silence_timeout_s
     if abs((timeout.value or 0) - s.announced) > 0.2 * s.announced:  # say so when it moves by > 20 %
-        out.append(Emit("hang_timeout", dict(timeout_s=timeout.value, reason=timeout.reason)))
+        out.append(Emit("hang_timeout", dict(timeout_s=timeout.value, reason=timeout.reason,
+                                             silence_timeout_s=silence_s)))
         s = replace(s, announced=timeout.value or 0, announced_reason=timeout.reason)
-    verdict = hang_verdict(now, pulses, timeout.value or float("inf"))
-    for rank in sorted(verdict.value or ()):
+    verdict = hang_verdict(now, pulses, timeout.value or float("inf"), silence_s)
+    for rank, hung in sorted((verdict.value or {}).items()):
         proc, pulse = s.plan.ranks[rank], pulses[rank]
         last = min(pulse.beat_t, pulse.progress_t)
         out.append(Emit("hang_detected", dict(proc=proc, hung_rank=rank, step=pulse.step, phase=pulse.phase,
-                                              last_progress_t=last, silent_s=now - last, timeout_s=timeout.value,
-                                              reason=verdict.reason)))
+                                              last_progress_t=last, silent_s=now - last, rule=hung.rule,
+                                              timeout_s=hung.timeout_s, reason=verdict.reason)))
         out.append(Say(f"rank {rank} ({proc}) is hung: {verdict.reason}; fencing it (SIGKILL)"))
         swap = s.swap or Swap(detected_t=now, cause=f"rank {rank} ({proc}) hung: {verdict.reason}",
                               hang=Hang(rank, proc, last, now))

@@ -430,35 +430,53 @@ def hang_timeout(configured: float | None, step_s: list[float]) -> Decision[floa
                            f"at least {HANG_FLOOR_S:g} s: {value:.1f} s")
 
 
-def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float) -> Decision[frozenset[int]]:
-    """Ranks to fence: silent ones (heartbeat stopped: SIGSTOP, a frozen interpreter), and ranks that
-    work but make no progress while a peer waits for them (spinning in the script, a deadlock).
+SILENCE, PROGRESS = "silence", "progress"  # the two rules of hang_verdict
+
+
+@dataclass(frozen=True)
+class Hung:
+    """Why one rank is fenced: the rule that fired and the timeout it outlasted."""
+
+    rule: str
+    timeout_s: float
+
+
+def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float,
+                 silence_s: float) -> Decision[Mapping[int, Hung]]:
+    """Ranks to fence, each with the rule that fired: SILENCE for a rank whose heartbeat stopped for
+    `silence_s` (SIGSTOP, a frozen machine: a rank beats every 0.1 s from a thread of its own, so
+    a short silence is proof enough, whatever the step time); PROGRESS for a rank that beats but makes no
+    progress for `timeout_s` while a peer waits for it (spinning in the script, a deadlock: only a multiple
+    of the step time tells that apart from a slow step).
 
     A rank that waits in a collective is never the culprit while another rank is silent or stuck:
     it is the victim. If everyone waits and nobody is silent, no one is to blame here (the
     collective timeout ends it). A rank that reported "finished" is never hung: it is exiting. A rank still
     in its script's set-up ("start": loading data, building the model, before session.run) may take any
-    time without progress; only its silence counts.
+    time without progress; only its silence counts, and for the longer of both timeouts: set-up code may
+    hold the GIL (unpickling a data set) while every process of the job sets up at once.
     """
     pulses = {r: p for r, p in pulses.items() if p.phase != "finished"}  # done: its silence is its exit
-    silent = {r for r, p in pulses.items() if now - p.beat_t >= timeout_s}
+    limits = {r: max(silence_s, timeout_s) if p.phase == "start" else silence_s for r, p in pulses.items()}
+    silent = {r for r, p in pulses.items() if now - p.beat_t >= limits[r]}
     waiting = {r for r, p in pulses.items() if p.waiting}
     stuck = {r for r, p in pulses.items()
-             if not p.waiting and p.phase != "start" and now - p.progress_t >= timeout_s and waiting - {r}}
-    hung = silent | stuck
-    if not hung:
+             if not p.waiting and p.phase != "start" and now - p.progress_t >= timeout_s and waiting - {r}} - silent
+    if not silent | stuck:
         return Decision(None, "every rank progresses or waits on a live peer")
     parts = []
-    for r in sorted(hung):
+    for r in sorted(silent | stuck):
         p = pulses[r]
         if r in silent:
-            parts.append(f"rank {r} silent (no heartbeat) for {now - p.beat_t:.1f} s in {p.phase} of step {p.step}")
+            parts.append(f"rank {r} silent (no heartbeat) for {now - p.beat_t:.1f} s in {p.phase} of step {p.step} "
+                         f"(silence timeout {limits[r]:g} s)")
         else:
             parts.append(f"rank {r} made no progress for {now - p.progress_t:.1f} s in {p.phase} of step "
-                         f"{p.step} (last heartbeat {now - p.beat_t:.1f} s ago)")
-    victims = sorted(waiting - hung)
+                         f"{p.step} (last heartbeat {now - p.beat_t:.1f} s ago; hang timeout {timeout_s:.1f} s)")
+    victims = sorted(waiting - silent - stuck)
     reason = "; ".join(parts) + (f" while rank(s) {victims} wait for it" if victims else "")
-    return Decision(frozenset(hung), reason)
+    return Decision({r: Hung(SILENCE, limits[r]) if r in silent else Hung(PROGRESS, timeout_s)
+                     for r in sorted(silent | stuck)}, reason)
 
 
 # ---- restore -------------------------------------------------------------------------------

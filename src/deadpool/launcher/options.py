@@ -10,7 +10,7 @@ import argparse
 import time
 from pathlib import Path
 
-from deadpool.config import FAULT_PHASES, Fault, JobConfig
+from deadpool.config import FAULT_PHASES, SILENCE_TIMEOUT_S, Fault, JobConfig
 from deadpool.errors import ConfigError
 from deadpool.examples import GPT_DIR
 
@@ -82,8 +82,11 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
     p.add_argument("--settle-window", type=float, default=0.05,
                    help="s: failures this close to the first are recovered together, in one new generation")
     p.add_argument("--hang-timeout", type=float, default=None,
-                   help="s without progress while peers wait before a rank is fenced (default: adapts to the "
-                        "step time, at least 3 s)")
+                   help="s without progress while peers wait before a rank that still beats is fenced (default: "
+                        "8 x the slowest median step, at least 3 s)")
+    p.add_argument("--silence-timeout", type=float, default=SILENCE_TIMEOUT_S,
+                   help=f"s without a heartbeat (SIGSTOP, a frozen machine) before a rank is fenced, whatever the "
+                        f"step time (default {SILENCE_TIMEOUT_S:g})")
     p.add_argument("--recovery-timeout", type=float, default=30.0, help="s the coordinator waits for a recovery step")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="s before a collective gives up")
     p.add_argument("--fault", type=parse_faults, action="extend", default=[], metavar=FAULT_FORMAT,
@@ -114,6 +117,7 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
                   replicas=args.replicas, backlog_policy=args.backlog_policy, on_divergence=args.on_divergence,
                   seed=args.seed,
                   settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
+                  silence_timeout_s=args.silence_timeout,
                   recovery_timeout_s=args.recovery_timeout,
                   collective_timeout_s=args.collective_timeout, faults=tuple(args.fault if faults is None else faults))
     return JobConfig(**{**fields, **overrides})

@@ -239,25 +239,49 @@ def test_the_exit_of_a_replaced_process_changes_nothing():
 
 # ---- hangs --------------------------------------------------------------------------------
 
-def pulse(step: int, beat: int, waiting: bool = False, phase: str = "backward") -> Heartbeat:
-    return Heartbeat(gen=0, beat=beat, step=step, phase=phase, marks=0, waiting=waiting, step_s=0.1)
+def pulse(step: int, beat: int, waiting: bool = False, phase: str = "backward", step_s: float = 0.1) -> Heartbeat:
+    return Heartbeat(gen=0, beat=beat, step=step, phase=phase, marks=0, waiting=waiting, step_s=step_s)
 
 
-def test_a_silent_rank_is_fenced_as_hung_and_its_exit_starts_the_swap():
-    s = started(replace(CONFIG, hang_timeout_s=5.0))
+def test_a_silent_rank_is_fenced_after_the_silence_timeout_and_its_exit_starts_the_swap():
+    """5 s steps make the hang timeout 40 s; the rank whose heartbeat stopped is fenced 2 s after its last beat."""
+    s = started(replace(CONFIG, silence_timeout_s=2.0))
     steady = durable(s, 0)
-    s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 1), "w1": pulse(3, 1)}), 1.0)
-    assert emitted(effects, "hang_timeout") == [{"timeout_s": 5.0, "reason": "--hang-timeout 5 s"}]
-    s, effects = advance(s, replace(steady, beats={"w0": pulse(4, 2, waiting=True), "w1": pulse(3, 1)}), 5.9)
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 1, step_s=5.0), "w1": pulse(3, 1, step_s=5.0)}), 1.0)
+    assert emitted(effects, "hang_timeout") == [{
+        "timeout_s": 40.0, "reason": "8 x the slowest median step (5.000 s), at least 3 s: 40.0 s",
+        "silence_timeout_s": 2.0}]
+    w0 = pulse(4, 2, waiting=True, step_s=5.0)
+    s, effects = advance(s, replace(steady, beats={"w0": w0, "w1": pulse(3, 1, step_s=5.0)}), 2.9)
     assert not emitted(effects, "hang_detected")
-    s, effects = advance(s, replace(steady, beats={"w0": pulse(4, 3, waiting=True), "w1": pulse(3, 1)}), 6.0)
+    s, effects = advance(s, replace(steady, beats={"w0": replace(w0, beat=3), "w1": pulse(3, 1, step_s=5.0)}), 3.0)
     [hang] = emitted(effects, "hang_detected")
-    assert (hang["proc"], hang["hung_rank"], hang["last_progress_t"], hang["silent_s"]) == ("w1", 1, 1.0, 5.0)
+    assert hang == {"proc": "w1", "hung_rank": 1, "step": 3, "phase": "backward", "last_progress_t": 1.0,
+                    "silent_s": 2.0, "rule": "silence", "timeout_s": 2.0,
+                    "reason": "rank 1 silent (no heartbeat) for 2.0 s in backward of step 3 (silence timeout 2 s) "
+                              "while rank(s) [0] wait for it"}
     assert Fence("w1") in effects and s.fenced == {"w1"}
-    assert s.swap.hang.verdict_t == 6.0 and s.root_cause.startswith("rank 1 (w1) hung: rank 1 silent")
-    s, effects = advance(s, killed("w1"), 6.1)
+    assert s.swap.hang.verdict_t == 3.0 and s.root_cause.startswith("rank 1 (w1) hung: rank 1 silent")
+    s, effects = advance(s, killed("w1"), 3.1)
     assert emitted(effects, "failure_detected")[0]["exit"] == "hung, and fenced (SIGKILL)"
     assert s.phase is Phase.SETTLING and s.swap.cause.startswith("rank 1 (w1) hung")
+
+
+def test_a_rank_that_beats_without_progress_is_fenced_after_the_hang_timeout():
+    s = started(replace(CONFIG, hang_timeout_s=5.0, silence_timeout_s=2.0))
+    steady = durable(s, 0)
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 1), "w1": pulse(3, 1)}), 1.0)
+    assert emitted(effects, "hang_timeout") == [{"timeout_s": 5.0, "reason": "--hang-timeout 5 s",
+                                                 "silence_timeout_s": 2.0}]
+    for beat, now in enumerate((3.0, 5.9), start=2):  # both beat on; w1's step and phase never change
+        s, effects = advance(s, replace(steady, beats={"w0": pulse(4, beat, waiting=True), "w1": pulse(3, beat)}), now)
+        assert not emitted(effects, "hang_detected")
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(4, 4, waiting=True), "w1": pulse(3, 4)}), 6.0)
+    [hang] = emitted(effects, "hang_detected")
+    assert (hang["hung_rank"], hang["rule"], hang["timeout_s"], hang["silent_s"]) == (1, "progress", 5.0, 5.0)
+    assert hang["reason"] == ("rank 1 made no progress for 5.0 s in backward of step 3 (last heartbeat 0.0 s ago; "
+                              "hang timeout 5.0 s) while rank(s) [0] wait for it")
+    assert Fence("w1") in effects
 
 
 def test_no_hang_is_looked_for_until_every_rank_has_a_heartbeat():

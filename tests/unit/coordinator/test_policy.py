@@ -11,11 +11,14 @@ from deadpool.coordinator.policy import (
     HANG_STEP_MULTIPLE,
     HANG_UNTIMED_S,
     NO_SPARE,
+    PROGRESS,
     SCRIPT_ERROR,
+    SILENCE,
     SPARE_AWAITED,
     Decision,
     Divergence,
     Durable,
+    Hung,
     Pulse,
     abandoned_steps,
     check_replicas,
@@ -434,38 +437,72 @@ def pulse(beat_t, progress_t, waiting=False, phase="forward", step=8):
 
 
 def test_everyone_progressing_is_fine():
-    assert not hang_verdict(10.0, {0: pulse(9.9, 9.9), 1: pulse(9.9, 9.0, waiting=True)}, 3.0).ok
+    assert not hang_verdict(10.0, {0: pulse(9.9, 9.9), 1: pulse(9.9, 9.0, waiting=True)}, 3.0, 2.0).ok
 
 
 def test_a_silent_rank_is_hung_and_its_waiting_peers_are_not():
     pulses = {0: pulse(9.9, 2.0, waiting=True, phase="all_reduce"), 1: pulse(6.0, 6.0), 2: pulse(9.9, 2.0, True)}
-    decision = hang_verdict(10.0, pulses, 3.0)
-    assert decision.value == frozenset({1})
-    assert decision.reason == "rank 1 silent (no heartbeat) for 4.0 s in forward of step 8 while rank(s) [0, 2] wait for it"
+    assert hang_verdict(10.0, pulses, 3.0, 2.0) == Decision(
+        {1: Hung(SILENCE, 2.0)}, "rank 1 silent (no heartbeat) for 4.0 s in forward of step 8 (silence timeout 2 s) "
+                      "while rank(s) [0, 2] wait for it")
+
+
+def test_silence_is_judged_by_its_own_timeout_whatever_the_step_time():
+    """5 s steps make the hang timeout 40 s; a rank whose heartbeat stopped is fenced after the silence timeout."""
+    pulses = {0: pulse(99.9, 95.0, waiting=True, phase="all_reduce"), 1: pulse(98.0, 97.0)}
+    assert not hang_verdict(99.9, pulses, 40.0, 2.0).ok
+    assert hang_verdict(100.0, pulses, 40.0, 2.0) == Decision(
+        {1: Hung(SILENCE, 2.0)}, "rank 1 silent (no heartbeat) for 2.0 s in forward of step 8 (silence timeout 2 s) "
+                      "while rank(s) [0] wait for it")
 
 
 def test_a_busy_rank_without_progress_is_hung_while_a_peer_waits():
     pulses = {0: pulse(9.9, 2.0, waiting=True), 1: pulse(9.9, 5.0)}  # rank 1 beats but is stuck (spinning)
-    decision = hang_verdict(10.0, pulses, 3.0)
-    assert decision.value == frozenset({1})
-    assert "rank 1 made no progress for 5.0 s in forward of step 8 (last heartbeat 0.1 s ago)" in decision.reason
+    assert hang_verdict(10.0, pulses, 3.0, 2.0) == Decision(
+        {1: Hung(PROGRESS, 3.0)}, "rank 1 made no progress for 5.0 s in forward of step 8 (last heartbeat 0.1 s ago; "
+                       "hang timeout 3.0 s) while rank(s) [0] wait for it")
 
 
-def test_a_long_set_up_is_not_a_hang_but_silence_in_it_is():
+def test_a_rank_that_beats_waits_for_the_hang_timeout_not_the_silence_timeout():
+    """No progress for 2.5 s is longer than the silence timeout, but rank 1 beats: it may be a slow step."""
+    pulses = {0: pulse(9.9, 7.0, waiting=True), 1: pulse(9.9, 7.5)}
+    assert not hang_verdict(10.0, pulses, 3.0, 2.0).ok
+
+
+def test_a_silent_rank_without_progress_is_named_once_by_its_silence():
+    pulses = {0: pulse(9.9, 2.0, waiting=True), 1: pulse(5.0, 1.0)}
+    assert hang_verdict(10.0, pulses, 3.0, 2.0) == Decision(
+        {1: Hung(SILENCE, 2.0)}, "rank 1 silent (no heartbeat) for 5.0 s in forward of step 8 (silence timeout 2 s) "
+                      "while rank(s) [0] wait for it")
+
+
+def test_each_hung_rank_names_the_rule_that_fired():
+    pulses = {0: pulse(9.9, 2.0, waiting=True), 1: pulse(7.5, 7.5), 2: pulse(9.9, 6.0, phase="backward")}
+    assert hang_verdict(10.0, pulses, 3.0, 2.0) == Decision(
+        {1: Hung(SILENCE, 2.0), 2: Hung(PROGRESS, 3.0)},
+        "rank 1 silent (no heartbeat) for 2.5 s in forward of step 8 (silence timeout 2 s); rank 2 made no "
+        "progress for 4.0 s in backward of step 8 (last heartbeat 0.1 s ago; hang timeout 3.0 s) while rank(s) [0] "
+        "wait for it")
+
+
+def test_a_long_set_up_is_not_a_hang_but_a_long_silence_in_it_is():
     """Rank 1 still loads its data (phase "start", heartbeat alive) while rank 0 waits in the first broadcast:
-    set-up may take any time. Silent in set-up (SIGSTOP), it is hung."""
-    working = {0: pulse(29.9, 2.0, waiting=True, phase="broadcast", step=0), 1: pulse(29.9, 0.0, phase="start", step=0)}
-    assert not hang_verdict(30.0, working, 10.0).ok
-    silent = {0: pulse(29.9, 2.0, waiting=True, phase="broadcast", step=0), 1: pulse(15.0, 0.0, phase="start", step=0)}
-    assert hang_verdict(30.0, silent, 10.0).value == frozenset({1})
+    set-up may take any time. Silent in set-up (SIGSTOP), it is hung after the longer of both timeouts (set-up
+    code may hold the GIL while every process sets up at once)."""
+    rank0 = pulse(29.9, 2.0, waiting=True, phase="broadcast", step=0)
+    assert not hang_verdict(30.0, {0: rank0, 1: pulse(29.9, 0.0, phase="start", step=0)}, 10.0, 2.0).ok
+    assert not hang_verdict(30.0, {0: rank0, 1: pulse(20.1, 0.0, phase="start", step=0)}, 10.0, 2.0).ok
+    assert hang_verdict(30.0, {0: rank0, 1: pulse(20.0, 0.0, phase="start", step=0)}, 10.0, 2.0) == Decision(
+        {1: Hung(SILENCE, 10.0)}, "rank 1 silent (no heartbeat) for 10.0 s in start of step 0 (silence timeout "
+                                  "10 s) while rank(s) [0] wait for it")
 
 
 def test_a_long_step_with_nobody_waiting_is_not_a_hang():
-    assert not hang_verdict(10.0, {0: pulse(9.9, 2.0), 1: pulse(9.9, 2.0)}, 3.0).ok
+    assert not hang_verdict(10.0, {0: pulse(9.9, 2.0), 1: pulse(9.9, 2.0)}, 3.0, 2.0).ok
 
 
 def test_everyone_waiting_and_alive_blames_no_one():
-    assert not hang_verdict(10.0, {0: pulse(9.9, 2.0, True), 1: pulse(9.9, 2.0, True)}, 3.0).ok
+    assert not hang_verdict(10.0, {0: pulse(9.9, 2.0, True), 1: pulse(9.9, 2.0, True)}, 3.0, 2.0).ok
 
 
 # ---- choose_restore_step --------------------------------------------------------------------
@@ -514,7 +551,7 @@ def test_no_holdings_at_all():
 
 def test_a_finished_rank_is_never_hung():
     pulses = {0: pulse(2.0, 2.0, phase="finished"), 1: pulse(9.9, 2.0, waiting=True, phase="commit")}
-    assert not hang_verdict(10.0, pulses, 3.0).ok
+    assert not hang_verdict(10.0, pulses, 3.0, 2.0).ok
 
 
 # ---- divergence ------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ def engine(tmp_path):
 
 def _engine(tmp_path, master: Table, plane: dict):
     config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane,
-                       poll_interval_s=0.01, recovery_timeout_s=1.0, collective_timeout_s=2.0)
+                       poll_interval_s=0.01, recovery_timeout_s=1.0, collective_timeout_s=2.0,
+                       silence_timeout_s=1.0)
     keys, events = Keys("t"), EventLog(tmp_path / "events.jsonl", role="worker", proc="w0")
     store = connect(config)
     ctx = Context("w0", "worker", config, store, keys, events, FaultInjector((), store, keys, events))
