@@ -60,6 +60,13 @@ class Table:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
         self.changed = threading.Condition()
+        self.closed = False
+
+    def close(self) -> None:
+        """Releases every call blocked in a wait (each raises): the job is over, no key will come."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
 
     def set(self, key: str, value: str | bytes) -> None:
         with self.changed:
@@ -70,7 +77,11 @@ class Table:
         """True once every key exists, False at the timeout (None: the default of 300 s, as torch's)."""
         keys = list(keys)
         with self.changed:
-            return self.changed.wait_for(lambda: all(k in self.data for k in keys), _seconds(timeout, 300.0))
+            present = self.changed.wait_for(lambda: self.closed or all(k in self.data for k in keys),
+                                            _seconds(timeout, 300.0))
+            if self.closed:
+                raise ControlPlaneError("the coordinator's store is closing: the job is over")
+            return present
 
     def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
         if not self.wait([key], timeout):
@@ -135,6 +146,7 @@ class StoreServer:
         except OSError:
             pass
         self.listener.close()
+        self.table.close()
         with self.lock:
             for sock in self.connections:
                 try:

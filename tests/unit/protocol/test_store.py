@@ -166,3 +166,13 @@ def test_a_lost_server_is_a_control_plane_error():
     srv.close()
     with pytest.raises(ControlPlaneError):
         client.set("a", "1")
+
+
+def test_closing_the_server_releases_a_blocked_wait():
+    srv = StoreServer("127.0.0.1", 0, SECRET)
+    client = StoreClient("127.0.0.1", srv.port, SECRET, timeout_s=30)
+    threading.Timer(0.2, srv.close).start()
+    started = time.monotonic()
+    with pytest.raises(ControlPlaneError):
+        client.wait(["never"], timedelta(seconds=30))
+    assert time.monotonic() - started < 10  # released by the close, not by its 30 s timeout
