@@ -103,9 +103,13 @@ class Slot:
         return meta["skeleton"], out, meta["numpy"]
 
 
-def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[bool], cuda_flags: list[bool]) -> bytes:
-    return json.dumps({"step": step, "skeleton": skeleton, "tensors": layout.to_json(),
-                       "numpy": numpy_flags, "cuda": cuda_flags, "nbytes": layout.nbytes}).encode()
+def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[bool], cuda_flags: list[bool],
+              stable: list[bool], replicated: bool) -> bytes:
+    """What a slot's bytes are: the skeleton and each tensor's place. `stable` marks parameters and optimizer
+    state; `replicated`: those are identical on every data-parallel rank (the disk tier writes them once)."""
+    return json.dumps({"step": step, "skeleton": skeleton, "tensors": layout.to_json(), "numpy": numpy_flags,
+                       "cuda": cuda_flags, "stable": stable, "replicated": replicated,
+                       "nbytes": layout.nbytes}).encode()
 
 
 def free_slot(slots: list[Slot], committed: int | None, abandoned: list[int]) -> Slot | None:

@@ -267,7 +267,8 @@ class _Run:
             return
         reserved = time.monotonic()
         self._copy(job, slot.data)
-        meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda)
+        meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
+                         self.engine.replicated)
         copied = time.monotonic()
         self.copied.set()
         fingerprint, crc = checksums(meta, slot.data, job.layout.lead_nbytes)

@@ -29,7 +29,7 @@ def fill(slot: Slot, step: int, tree) -> tuple:
     for tensor, (_, _, offset, n) in zip(flat.tensors, layout.specs):
         if n:
             buffer[offset:offset + n].copy_(tensor.reshape(-1).view(torch.uint8))
-    meta = make_meta(step, flat.skeleton, layout, flat.numpy, flat.cuda)
+    meta = make_meta(step, flat.skeleton, layout, flat.numpy, flat.cuda, flat.stable, False)
     slot.seal(step, meta, checksum(meta, slot.data))
     return flat, layout, meta
 
@@ -144,9 +144,10 @@ def test_checksum_covers_meta_and_data():
 def test_make_meta_is_json():
     flat = flatten({"box": Box({"w": torch.ones(2), "n": np.zeros(1)})})
     layout = Layout.of(flat.tensors)
-    meta = json.loads(make_meta(9, flat.skeleton, layout, flat.numpy, flat.cuda))
+    meta = json.loads(make_meta(9, flat.skeleton, layout, flat.numpy, flat.cuda, flat.stable, True))
     assert meta == {"step": 9, "skeleton": flat.skeleton, "tensors": [["float32", [2], 0, 8], ["float64", [1], 64, 8]],
-                    "numpy": [False, True], "cuda": [False, False], "nbytes": 128}
+                    "numpy": [False, True], "cuda": [False, False], "stable": [False, False], "replicated": True,
+                    "nbytes": 128}
 
 
 def test_tensors_round_trip_through_a_slot():
