@@ -74,6 +74,11 @@ class JobConfig:
     strangers out). secret_file: the file (mode 0600) with the job's secret, which every connection to
     the control plane must prove it holds (protocol/wire.py). interface: the network interface this
     machine's process groups listen on (gloo's GLOO_SOCKET_IFNAME), the one that holds the job's address.
+    persist_dir: where committed snapshots are written to disk (the disk tier, deadpool/disk); "" = never.
+    persist_every: a checkpoint every N commits; persist_interval_s: or every S seconds, whichever comes
+    first (0 = not by time). keep: complete checkpoints kept (the older ones are deleted). stop_grace_s: how
+    long a job stopped by SIGTERM may take to persist its newest commit before it exits. resume: the
+    checkpoint directory this job starts from (`--resume`, resolved by the launcher); "" = step 0.
     spare_wait_s: when a rank fails and no spare is left, how long the coordinator waits for a spare node
     to join (`deadpool agent --spare`) and start its spares before it stops the job; 0 stops at once.
     The survivors wait for the next plan that much longer than the collective timeout.
@@ -106,6 +111,12 @@ class JobConfig:
     hang_timeout_s: float | None = None
     silence_timeout_s: float = SILENCE_TIMEOUT_S
     spare_wait_s: float = 0.0
+    persist_dir: str = ""
+    persist_every: int = 10
+    persist_interval_s: float = 0.0
+    keep: int = 2
+    stop_grace_s: float = 20.0
+    resume: str = ""
     recovery_timeout_s: float = 30.0
     collective_timeout_s: float = 60.0
     connect_timeout_s: float = 60.0
@@ -165,6 +176,19 @@ class JobConfig:
             raise ConfigError("--spare-wait waits for a spare node to join (`deadpool agent --spare`): give --nnodes")
         if not self.connect_timeout_s > 0:  # also rejects NaN
             raise ConfigError(f"connect timeout must be positive, got {self.connect_timeout_s}")
+        if self.persist_every < 0 or not 0 <= self.persist_interval_s < float("inf"):
+            raise ConfigError(f"--persist-every must be >= 0 commits and --persist-interval >= 0 s, got "
+                              f"{self.persist_every} and {self.persist_interval_s}")
+        if self.persist_dir and not (self.persist_every or self.persist_interval_s):
+            raise ConfigError("--persist-dir needs --persist-every N (commits) or --persist-interval S (seconds)")
+        if self.persist_dir and self.snapshot_every == 0:
+            raise ConfigError("--persist-dir writes committed snapshots to disk: snapshots must be on "
+                              "(--snapshot-every K or auto, not 0)")
+        if self.keep < 2:
+            raise ConfigError(f"--keep must be at least 2 (one to fall back to if the newest is damaged), "
+                              f"got {self.keep}")
+        if not 0 < self.stop_grace_s < float("inf"):
+            raise ConfigError(f"--stop-grace must be a positive number of seconds, got {self.stop_grace_s}")
         for fault in self.faults:
             if fault.rank >= self.workers:
                 raise ConfigError(f"fault targets rank {fault.rank} but the job has ranks 0..{self.workers - 1}")
@@ -183,6 +207,11 @@ class JobConfig:
         """How long a process whose generation failed waits for the next plan: a collective's worth, and
         --spare-wait more, while the coordinator may be waiting for a spare node to join."""
         return self.collective_timeout_s + self.spare_wait_s
+
+    def identity(self) -> dict[str, object]:
+        """What a checkpoint of this job records of it, and a job that resumes from it must share (deadpool/disk):
+        the world size, the seed and the script (its arguments may differ: more steps, another log interval)."""
+        return {"world_size": self.workers, "seed": self.seed, "script": Path(self.script).name}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -119,4 +119,20 @@ def summarize(path: Path, exit_code: int, faults: tuple[Fault, ...] = ()) -> dic
         "faults_not_fired": unfired_faults(faults, events),
         "pool_refills": [{"nodes": e["nodes"], "spares": e["procs"], "restored_step": e["restored_step"],
                           "took_s": e["took_s"]} for e in events if e["event"] == "pool_refilled"],
+        **disk_tier(events),
+    }
+
+
+def disk_tier(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoints written, the one this job resumed from, and whether a SIGTERM stopped it."""
+    resumed = next((e for e in events if e["event"] == "resumed_from_disk"), None)
+    stopped = next((e for e in events if e["event"] == "job_stopped"), None)
+    return {
+        "checkpoints": [{"step": e["step"], "path": e["path"], "nbytes": e["nbytes"], "write_s": e["write_s"],
+                         "total_s": e["total_s"], "gbps": e["gbps"]}
+                        for e in events if e["event"] == "checkpoint_persisted"],
+        "persist_failures": [{"step": e["step"], "reason": e["reason"]} for e in events
+                             if e["event"] == "persist_failed"],
+        "resumed_from": {"step": resumed["step"], "path": resumed["path"]} if resumed else None,
+        "stopped_by": stopped["signal"] if stopped else None,
     }

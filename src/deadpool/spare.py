@@ -15,6 +15,7 @@ from typing import Any, Callable
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
+from deadpool.runtime.persist import Persister
 from deadpool.runtime.recovery import hand_over
 
 
@@ -31,6 +32,7 @@ class Standby:
         self.ctx = ctx
         self.warmup = warmup  # the script's warm-up (deadpool.init(warmup=...)), run once while holding
         self.held = Holdings(ctx)  # kept until no plan needs them
+        self.persister = Persister(ctx, lambda rank: self.held.slots.get(rank, []))  # idle: it writes checkpoints
 
     def run(self) -> tuple[Incarnation, Holdings]:
         """Returns this spare's first incarnation with a rank, and the replicas it holds; exits the

@@ -125,7 +125,7 @@ def test_clean_run(tmp_path):
         "final_loss": 3.25, "final_state_sha256": hashlib.sha256(b"a0b1").hexdigest(),
         "rank_state_sha256": ["a0", "b1"],
         "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {}, "pool_refills": [],
-        "faults_not_fired": [],
+        "faults_not_fired": [], "checkpoints": [], "persist_failures": [], "resumed_from": None, "stopped_by": None,
     }
 
 
@@ -272,3 +272,17 @@ def test_a_hang_is_timed_from_the_fault_and_detected_from_the_last_progress(tmp_
     assert rec["detect_s"] == 3.125                 # last progress -> verdict
     assert rec["decide_s"] == 0.25                  # verdict -> plan
     assert rec["fault_to_next_step_s"] == 4.5       # SIGSTOP -> the next completed step
+
+
+def test_disk_tier_lists_checkpoints_resume_and_stop(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, [ev("resumed_from_disk", 0.5, 0, 0, step=4, path="/ckpt/step-4"),
+                 ev("checkpoint_persisted", 1.0, 0, None, step=6, path="/ckpt/step-6", nbytes=10, write_s=0.5,
+                    total_s=0.75, gbps=2e-8),
+                 ev("persist_failed", 1.5, 0, None, step=8, reason="w1: disk full"),
+                 ev("job_stopped", 2.0, 0, None, signal="SIGTERM", persisted=6, committed=8)])
+    summary = summarize(path, exit_code=143)
+    assert summary["checkpoints"] == [{"step": 6, "path": "/ckpt/step-6", "nbytes": 10, "write_s": 0.5,
+                                       "total_s": 0.75, "gbps": 2e-8}]
+    assert summary["persist_failures"] == [{"step": 8, "reason": "w1: disk full"}]
+    assert summary["resumed_from"] == {"step": 4, "path": "/ckpt/step-4"} and summary["stopped_by"] == "SIGTERM"

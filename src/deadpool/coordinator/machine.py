@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from typing import Mapping
 
 from deadpool.config import JobConfig
+from deadpool.coordinator import persist
 from deadpool.coordinator.policy import (
     DIVERGENCE_CAUSES,
     FINISHED,
@@ -61,7 +62,7 @@ from deadpool.coordinator.state import (
     WriteTarget,
 )
 from deadpool.coordinator.status import Recovery
-from deadpool.coordinator.transitions import drop_joining, end, fail, publish, with_status
+from deadpool.coordinator.transitions import drop_joining, end, fail, publish, terminated, with_status
 
 State = CoordinatorState
 
@@ -88,6 +89,8 @@ def advance(s: State, inputs: Inputs, now: float) -> tuple[State, tuple[Effect, 
         s = on_exit(s, exit_, now, out)
         if s.exit_code is not None:
             return with_status(s, out)
+    if inputs.terminate or s.stopping_t is not None:
+        return with_status(_stopping(s, inputs, now, out), out)
     return with_status(_tick(s, inputs, now, out), out)
 
 
@@ -142,14 +145,17 @@ def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> St
 def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
     """What the phase waits for: reports to commit and hangs (steady), a window or a deadline, or every rank."""
     if s.phase is Phase.STEADY:
-        s = _commit(s, inputs.durable, out)
+        s = _commit(s, inputs.durable, now, out)
         if s.exit_code is not None:
             return s
+        s = persist.tick(s, inputs, now, out, may_order=True)
         s = _look_for_hangs(s, inputs.beats, now, out)
         if s.swap is None and not s.finished:
             s, new = admit(s, inputs.started, now, out)
             s = refill(s, new, now, out)
         return s
+    if s.persisting is not None:  # an order placed before a failure: its writers may still complete it
+        s = persist.tick(s, inputs, now, out, may_order=False)
     if s.phase is Phase.AWAIT_SPARE:
         return await_spare(s, inputs.started, now, out)
     if s.phase is Phase.SETTLING:
@@ -168,7 +174,7 @@ def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
     return _complete(s, now, out)
 
 
-def _commit(s: State, reports: Mapping[int, Durable], out: list[Effect]) -> State:
+def _commit(s: State, reports: Mapping[int, Durable], now: float, out: list[Effect]) -> State:
     """Checks that data-parallel replicas agree, then commits the newest step every rank holds durably;
     the one writer of g{gen}/committed. A step is checked before it can be committed."""
     check = check_replicas(s.agreed, reports)
@@ -183,8 +189,10 @@ def _commit(s: State, reports: Mapping[int, Durable], out: list[Effect]) -> Stat
     if committed == s.committed and abandoned == s.abandoned:
         return s
     out.append(WriteCommit(s.plan.generation, committed, abandoned))
-    if decision.ok:
+    if decision.ok and committed != s.committed:
         out.append(Emit("commit", dict(step=committed, reason=decision.reason)))
+        s = replace(s, commits_since_persist=s.commits_since_persist + 1,
+                    persisted_t=now if s.persisted_t is None else s.persisted_t)
     return replace(s, committed=committed, abandoned=abandoned)
 
 
@@ -250,6 +258,25 @@ def _look_for_hangs(s: State, beats: Mapping[str, Heartbeat], now: float, out: l
         s = replace(s, fenced=s.fenced | {proc}, swap=swap, root_cause=s.root_cause or swap.cause)
         out.append(Fence(proc))
     return s
+
+
+def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
+    """SIGTERM (a scheduler's stop): the newest commit goes to disk first, within --stop-grace, then the job
+    stops with 143, saying how to go on. Training goes on meanwhile; a failure meanwhile is not recovered."""
+    config, since = s.config, s.stopping_t if s.stopping_t is not None else now
+    if s.stopping_t is None:
+        s = replace(s, stopping_t=now)
+        out.append(Emit("stop_requested", dict(signal="SIGTERM", committed=s.committed, persisted=s.persisted)))
+        in_flight = s.persisting is not None and s.persisting.step == s.committed
+        if config.persist_dir and s.committed is not None and s.committed != s.persisted and not in_flight:
+            out.append(Say(f"SIGTERM: writing step {s.committed} to {config.persist_dir} before stopping "
+                           f"(--stop-grace {config.stop_grace_s:g} s)"))
+            s = persist.order(s, s.committed, "the job is stopping (SIGTERM)", now, out)
+    if s.persisting is not None:
+        s = persist.tick(s, inputs, now, out, may_order=False)
+    if s.persisting is not None and now < since + config.stop_grace_s:
+        return s
+    return terminated(s, out)
 
 
 # ---- recovery -----------------------------------------------------------------------------

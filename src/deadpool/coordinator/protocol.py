@@ -192,6 +192,13 @@ class Keys:
     def resumed(self, gen: int, rank: int) -> str:
         return self._k(f"g{gen}/resumed/{rank}")
 
+    # the disk tier (protocol/records.py): the coordinator orders, each writer reports its part
+    def persist_order(self) -> str:
+        return self._k("persist/order")
+
+    def persisted(self, step: int, proc: str) -> str:
+        return self._k(f"persist/{step}/{proc}")
+
     # faults fire once per job, whoever runs the rank
     def fault_fired(self, index: int) -> str:
         return self._k(f"fault/{index}")

@@ -23,9 +23,11 @@ from deadpool.coordinator.state import (
     Emit,
     ExitReport,
     Fence,
+    Finalize,
     Heartbeat,
     Inputs,
     MarkRunning,
+    OrderPersist,
     Phase,
     PublishPlan,
     PublishStatus,
@@ -38,7 +40,9 @@ from deadpool.coordinator.state import (
     WriteTarget,
 )
 from deadpool.coordinator.status import write_status
+from deadpool.errors import ProtocolError
 from deadpool.events import EventLog
+from deadpool.protocol.records import PersistReport
 
 
 class Exit(Protocol):
@@ -70,6 +74,12 @@ class Coordinator:
         self.events = events
         self.agent = agent
         self.status_path = Path(config.run_dir) / "status.json"
+        self.terminate = False  # set by the launcher's SIGTERM handler: the machine persists, then stops
+        self.finalized: dict[int, bool] = {}  # checkpoints assembled since the last tick
+
+    def request_stop(self) -> None:
+        """SIGTERM: the next tick persists the newest commit and stops the job (machine._stopping)."""
+        self.terminate = True
 
     def run(self) -> int:
         """Starts the job and returns its exit code."""
@@ -81,6 +91,7 @@ class Coordinator:
                 return state.exit_code
             time.sleep(self.config.poll_interval_s)
             inputs = self._gather(state)
+            self.finalized = {}
             state, effects = advance(state, inputs, time.monotonic())
 
     # ---- inputs -----------------------------------------------------------------------------
@@ -90,7 +101,24 @@ class Coordinator:
         exits = tuple(self._exit(child) for child in self.agent.poll())
         starting = [name for joining in state.joining.values() for name in joining.procs]
         started = frozenset(name for name in starting if self.store.check([self.keys.started(name)]))
-        return Inputs(exits=exits, joined=self.agent.joined(), started=started, **self._reports(state))
+        return Inputs(exits=exits, joined=self.agent.joined(), started=started, terminate=self.terminate,
+                      persist_reports=self._persist_reports(state), finalized=dict(self.finalized),
+                      **self._reports(state))
+
+    def _persist_reports(self, state: CoordinatorState) -> dict[str, PersistReport]:
+        """The writers' reports on the checkpoint being written; a malformed one counts as a failed part."""
+        job = state.persisting
+        if job is None or job.finalizing:
+            return {}
+        reports = {}
+        for proc in dict.fromkeys(job.writers):
+            key = self.keys.persisted(job.step, proc)
+            if self.store.check([key]):
+                try:
+                    reports[proc] = PersistReport.from_json(self.store.get(key))
+                except ProtocolError as error:
+                    reports[proc] = PersistReport(job.step, proc, (), ok=False, error=str(error))
+        return reports
 
     def _reports(self, state: CoordinatorState) -> dict[str, Any]:
         gen, world, keys = state.plan.generation, range(state.plan.world_size), self.keys
@@ -140,6 +168,10 @@ class Coordinator:
             self.events.emit(effect.event, **effect.fields)
         elif isinstance(effect, Say):
             print(f"[coordinator] {effect.text}", file=sys.stderr if effect.error else sys.stdout, flush=True)
+        elif isinstance(effect, OrderPersist):
+            store.set(keys.persist_order(), effect.order.to_json())
+        elif isinstance(effect, Finalize):
+            self._finalize(effect)
         elif isinstance(effect, PublishStatus):
             text = effect.status.to_json()
             write_status(self.status_path, effect.status)
@@ -162,8 +194,30 @@ class Coordinator:
         self.events.emit("process_spawned", proc=effect.name, pid=child.pid, role=effect.role,
                          rank=effect.rank if effect.role == "worker" else None, node=getattr(child, "node", None))
 
+    def _finalize(self, effect: Finalize) -> None:
+        """Assembles the parts of a checkpoint into one, visible only once complete (deadpool/disk)."""
+        from deadpool.disk import finalize  # torch: imported only by jobs with a disk tier
+
+        start = time.monotonic()
+        try:
+            path = finalize(Path(self.config.persist_dir), effect.step, self.config.workers,
+                            self.config.identity(), self.config.keep)
+        except Exception as error:  # a full disk, a part gone: the job goes on, the next checkpoint may succeed
+            path, why = None, f"{type(error).__name__}: {error}"
+        else:
+            why = "parts of some ranks are missing"
+        self.finalized[effect.step] = path is not None
+        if path is None:
+            self.events.emit("persist_failed", step=effect.step, reason=why)
+            return
+        now = time.monotonic()
+        total_s = None if effect.ordered_t is None else now - effect.ordered_t
+        self.events.emit("checkpoint_persisted", step=effect.step, path=str(path), nbytes=effect.nbytes,
+                         write_s=effect.write_s, finalize_s=now - start, total_s=total_s,
+                         gbps=effect.nbytes / effect.write_s / 1e9 if effect.write_s else None)
+
     def _stop(self, effect: Stop) -> None:
-        if effect.how == "failed":
+        if effect.how in ("failed", "terminated"):
             for name in self.agent.alive():  # first, so that no process sees the shutdown and adds its own error
                 self.agent.fence(name)
         self.store.set(self.keys.shutdown(), effect.how)

@@ -15,6 +15,7 @@ from deadpool.config import JobConfig
 from deadpool.coordinator.policy import Durable
 from deadpool.coordinator.protocol import Plan
 from deadpool.coordinator.status import JobStatus, Recovery
+from deadpool.protocol.records import PersistOrder, PersistReport
 
 
 class Phase(enum.Enum):
@@ -117,6 +118,18 @@ class ScriptError:
         return cls(raw["rank"], raw["step"], raw["error"])
 
 
+@dataclass(frozen=True)
+class Persisting:
+    """A checkpoint being written (coordinator/persist.py): ordered, then finalized once every writer reported."""
+
+    step: int
+    writers: tuple[str, ...]  # rank -> the process writing its snapshot
+    ordered_t: float
+    deadline: float
+    reason: str
+    finalizing: bool = False
+
+
 # ---- inputs ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -142,6 +155,9 @@ class Inputs:
     ready: Mapping[int, list[int]] = field(default_factory=dict)  # awaiting ready: rank -> intact steps
     resumed: frozenset[int] = frozenset()                          # awaiting resumed: ranks that rejoined
     started: frozenset[str] = frozenset()                          # joining spares that reached init()
+    persist_reports: Mapping[str, PersistReport] = field(default_factory=dict)  # writers of the order in flight
+    finalized: Mapping[int, bool] = field(default_factory=dict)    # checkpoint step -> complete on disk
+    terminate: bool = False                                        # SIGTERM: persist the newest commit, then stop
 
 
 # ---- effects ---------------------------------------------------------------------------------
@@ -198,6 +214,21 @@ class Relabel:
 
 
 @dataclass(frozen=True)
+class OrderPersist:
+    order: PersistOrder
+
+
+@dataclass(frozen=True)
+class Finalize:
+    """Every part of checkpoint `step` is on disk: the shell assembles it (disk/) and reports back."""
+
+    step: int
+    ordered_t: float | None  # None: the parts were written as the ranks finished, unordered
+    nbytes: int
+    write_s: float
+
+
+@dataclass(frozen=True)
 class Emit:
     event: str
     fields: Mapping[str, Any]
@@ -218,12 +249,12 @@ class PublishStatus:
 class Stop:
     """The job ends: `failed` fences every live process first; the shutdown key says how it ended."""
 
-    how: str  # "done" or "failed"
+    how: str  # "done", "failed" or "terminated" (SIGTERM)
     grace_s: float
 
 
 Effect = (PublishPlan | Abort | WriteCommit | WriteTarget | MarkRunning | Spawn | Fence | Relabel | Emit | Say
-          | PublishStatus | Stop)
+          | PublishStatus | Stop | OrderPersist | Finalize)
 
 
 # ---- the state -------------------------------------------------------------------------------
@@ -255,3 +286,8 @@ class CoordinatorState:
     exit_code: int | None = None        # set once the job ended
     failure: str | None = None          # why it failed
     status: JobStatus | None = None     # the job status last published
+    persisting: Persisting | None = None  # the checkpoint being written
+    persisted: int | None = None        # the newest step complete on disk (a resumed job's: the one it resumed)
+    commits_since_persist: int = 0
+    persisted_t: float | None = None    # when the last checkpoint completed (or the first commit came)
+    stopping_t: float | None = None     # SIGTERM arrived: the job persists its newest commit and stops

@@ -12,6 +12,7 @@ from deadpool.coordinator.state import (
     Effect,
     Emit,
     Fence,
+    Finalize,
     PublishPlan,
     PublishStatus,
     Relabel,
@@ -38,9 +39,28 @@ def publish(s: State, plan: Plan, out: list[Effect]) -> State:
 
 
 def end(s: State, out: list[Effect]) -> State:
-    """Every rank finished: the job is done."""
+    """Every rank finished: the job is done. With a disk tier, each rank wrote its part of the last commit
+    as it finished (runtime/persist.py): it becomes a complete checkpoint before the job stops."""
+    if s.config.persist_dir and s.committed is not None and s.committed != s.persisted:
+        out.append(Finalize(s.committed, None, 0, 0.0))
     out += [Stop("done", grace_s=10.0), Emit("job_finished", dict(generation=s.plan.generation))]
     return replace(s, exit_code=0)
+
+
+def terminated(s: State, out: list[Effect]) -> State:
+    """Stopped by SIGTERM: exit 143 (128 + 15) as a scheduler expects, with the newest commit on disk if it
+    could be written in time, and the command that goes on from it."""
+    config = s.config
+    if not config.persist_dir:
+        saved = "nothing was persisted (give --persist-dir to make a stopped job resumable)"
+    elif s.persisted is None:
+        saved = f"no complete checkpoint in {config.persist_dir}"
+    else:
+        saved = (f"step {s.persisted} is on disk in {config.persist_dir}; go on from it with the same command "
+                 "and --resume auto")
+    out += [Emit("job_stopped", dict(signal="SIGTERM", persisted=s.persisted, committed=s.committed)),
+            Stop("terminated", grace_s=0.0), Say(f"stopped by SIGTERM: {saved}", error=True)]
+    return replace(s, exit_code=143, failure=f"stopped by SIGTERM: {saved}")
 
 
 def fail(s: State, message: str, out: list[Effect]) -> State:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from deadpool.errors import ConfigError
 from deadpool.launcher.options import add_job_options, default_out, job_config
+from deadpool.launcher.resume import resume_command
 from deadpool.sim import cli as sim_cli
 
 
@@ -148,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             from deadpool.launcher.launch import launch
 
             out = args.out or default_out("run")
-            code, _ = launch(job_config(args, args.script, args.script_args, out))
+            config = job_config(args, args.script, args.script_args, out)
+            code, _ = launch(config)
             print(f"[deadpool] run directory: {out}", flush=True)
+            if code == 143 and config.persist_dir:
+                print(f"[deadpool] to go on: {resume_command(argv if argv is not None else sys.argv[1:])}", flush=True)
             return code
         if args.command == "coordinator":
             from deadpool.launcher.launch import launch

@@ -24,6 +24,7 @@ from deadpool.events import EventLog
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
+from deadpool.launcher.resume import on_sigterm, resolve
 from deadpool.protocol.secret import ENV_SECRET, new_secret, read_secret, write_secret
 from deadpool.protocol.store import StoreServer, Table
 from deadpool.report import summarize
@@ -113,6 +114,14 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     devices = place_devices(config.workers, config.spares, config.gpus_per_node or 0)
     if not devices.ok:
         raise ConfigError(devices.reason)
+    skipped: list[tuple[str, str]] = []  # damaged checkpoints --resume passed over, logged once events exist
+    if config.resume:
+        path, step = resolve(config, lambda p, why: skipped.append((p, why)))
+        config = replace(config, resume=str(path))
+        for p, why in skipped:
+            print(f"[deadpool] skipped checkpoint {p}: {why}", file=sys.stderr, flush=True)
+        if echo is not None:
+            print(f"[deadpool] resuming from {path} (step {step})", file=echo, flush=True)
     network = Network(config.nodes).create() if config.netns else None
     secret = read_secret(config.secret_file) if config.secret_file else new_secret()
     store, events = None, None
@@ -122,6 +131,8 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
         store = host_store(config, secret)
         events = EventLog(run_dir / "events.jsonl", role="coordinator", proc="coordinator")
         store.on_refused = log_refusals(events)
+        for p, why in skipped:
+            events.emit("checkpoint_skipped", path=str(p), reason=why)
         config = replace(config, store_port=store.port, token=config.token or secrets.token_hex(8),
                          secret_file=str(Path(config.secret_file).resolve() if config.secret_file else
                                          write_secret(run_dir.resolve() / "secret", secret)),
@@ -158,8 +169,10 @@ def _run(config: JobConfig, store: Table, events: EventLog, devices: Decision, e
     started = time.monotonic()
     agent: Processes = (start_nodes(config, store, events, echo, start_agents, network) if config.nproc_per_node
                         else Agent(config, config_path, echo=echo))
+    coordinator = Coordinator(config, store, events, agent)
     try:
-        code = Coordinator(config, store, events, agent).run()
+        with on_sigterm(coordinator.request_stop):
+            code = coordinator.run()
     except BaseException:
         for name in agent.alive():
             agent.fence(name)

@@ -89,6 +89,20 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                         f"step time (default {SILENCE_TIMEOUT_S:g})")
     p.add_argument("--recovery-timeout", type=float, default=30.0, help="s the coordinator waits for a recovery step")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="s before a collective gives up")
+    p.add_argument("--persist-dir", default="", metavar="DIR",
+                   help="write committed snapshots to disk here (torch.distributed.checkpoint format), in the "
+                        "background, so that `--resume` can go on after the job itself is lost (default: off)")
+    p.add_argument("--persist-every", type=int, default=10, metavar="N",
+                   help="with --persist-dir: a checkpoint every N commits (0: only by --persist-interval)")
+    p.add_argument("--persist-interval", type=float, default=0.0, metavar="S",
+                   help="with --persist-dir: a checkpoint every S seconds too (default 0: only every N commits)")
+    p.add_argument("--keep", type=int, default=2, metavar="K", help="complete checkpoints kept in --persist-dir")
+    p.add_argument("--stop-grace", type=float, default=20.0, metavar="S",
+                   help="on SIGTERM (scancel, a pod's eviction): s to persist the newest commit before exiting 143 "
+                        "(default 20, under Slurm's and Kubernetes' 30 s)")
+    p.add_argument("--resume", default="", metavar="DIR|auto",
+                   help="start from the newest complete checkpoint in DIR (a --persist-dir or one checkpoint), or "
+                        "in --persist-dir with auto (default: start at step 0)")
     p.add_argument("--fault", type=parse_faults, action="extend", default=[], metavar=FAULT_FORMAT,
                    help="inject a real fault (repeatable): kill, hang, error or corrupt_replica")
 
@@ -117,7 +131,9 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
                   replicas=args.replicas, backlog_policy=args.backlog_policy, on_divergence=args.on_divergence,
                   seed=args.seed,
                   settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
-                  silence_timeout_s=args.silence_timeout,
+                  silence_timeout_s=args.silence_timeout, persist_dir=args.persist_dir,
+                  persist_every=args.persist_every, persist_interval_s=args.persist_interval, keep=args.keep,
+                  stop_grace_s=args.stop_grace, resume=args.resume,
                   recovery_timeout_s=args.recovery_timeout,
                   collective_timeout_s=args.collective_timeout, faults=tuple(args.fault if faults is None else faults))
     return JobConfig(**{**fields, **overrides})

@@ -24,7 +24,9 @@ from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
+from deadpool.runtime.persist import describe_misfit, on_disk, resume_from_disk
 from deadpool.runtime.recovery import Recovery
+from deadpool.runtime.snapshot import read_committed
 from deadpool.runtime.state import state_sha256
 from deadpool.runtime.watch import Progress
 
@@ -70,17 +72,34 @@ class StepLoop:
     # ---- steady state --------------------------------------------------------------------
 
     def _begin(self) -> None:
-        """A fresh job: rank 0's initial weights win, and snapshot 0 is committed before step 1 runs, so
-        that a failure at any moment after this is recoverable."""
+        """A fresh job: rank 0's initial weights win (or, resuming, every rank loads its state from the
+        checkpoint), and the first snapshot is committed before the next step runs, so that a failure at any
+        moment after this is recoverable."""
         member = self.member
         assert member.watch is not None
         member.attach(sync=True)
+        if member.ctx.config.resume:
+            self._resume()
         member.engine.start(member.inc, member.watch)
         member.hold()
         if self.every:
-            member.engine.capture(0, member.tree)
+            member.engine.capture(member.step, member.tree)
             with member.progress.waiting_for("commit"):
-                member.engine.wait_committed(0)
+                member.engine.wait_committed(member.step)
+
+    def _resume(self) -> None:
+        """`deadpool run --resume`: this rank's state, RNGs and step counter come from the checkpoint."""
+        member, path = self.member, self.member.ctx.config.resume
+        with member.progress.waiting_for("resume"):
+            step = resume_from_disk(member.ctx, member.rank, member.engine.slots[0])
+        try:
+            member.restore(step)
+        except Exception as error:
+            raise describe_misfit(path, error) from None
+        every = member.ctx.config.snapshot_every  # this job's interval, not the one the checkpoint's job used
+        self.calibrating, self.every, self.check_next = every == "auto", 1 if every == "auto" else int(every), False
+        member.ctx.events.emit("resumed_from_disk", step=step, path=path)
+        print(f"[deadpool] rank {member.rank}: resumed from {path} at step {step}", flush=True)
 
     def point(self, phase: str) -> None:
         """A point of the step the coordinator sees progress at, and where a planned fault may fire."""
@@ -128,6 +147,8 @@ class StepLoop:
         if self.every:
             with member.progress.waiting_for("commit"):
                 member.engine.drain()
+            if member.ctx.config.persist_dir:
+                self._persist_last()
         # The training state: everything registered, the RNGs and the step, not DeadPool's own settings. The
         # step function's variables have their own digest but stay out of the whole: they may hold timings.
         training = {name: obj for name, obj in member.tree.items() if name != "deadpool"}
@@ -141,6 +162,19 @@ class StepLoop:
         # it with dist.destroy_process_group(), as after DDP. Failures from here on are not recovered.
         member.engine.stop()
         member.held.stop()  # the last snapshot is committed: every holder has acknowledged every rank's copy
+
+    def _persist_last(self) -> None:
+        """Writes this rank's part of the job's last commit: the coordinator completes that checkpoint once every
+        rank finished, so a finished job can be resumed (to train further) whatever --persist-every is."""
+        member = self.member
+        committed, _ = read_committed(member.ctx.store, member.inc.committed_key())
+        if committed is None or on_disk(member.ctx.config, committed):
+            return
+        with member.progress.waiting_for("persist"):
+            report = member.persister.write(committed, [member.rank])
+        if not report.ok:
+            print(f"[deadpool] rank {member.rank}: could not write step {committed} to disk: {report.error}",
+                  file=sys.stderr, flush=True)
 
     # ---- failures ------------------------------------------------------------------------
 

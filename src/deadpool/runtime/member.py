@@ -19,6 +19,7 @@ from deadpool.runtime.comms import DataParallel, abandon_group, communicating, j
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
+from deadpool.runtime.persist import Persister
 from deadpool.runtime.sharded import ShardedModel
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.snapshot import SnapshotEngine
@@ -29,7 +30,8 @@ from deadpool.runtime.watch import Progress, Watch
 class Member:
     """One process's rank in the current generation (`inc`, the one place the generation lives)."""
 
-    def __init__(self, ctx: Context, inc: Incarnation, held: Holdings | None = None) -> None:
+    def __init__(self, ctx: Context, inc: Incarnation, held: Holdings | None = None,
+                 persister: Persister | None = None) -> None:
         self.ctx = ctx
         self.inc = inc
         assume(ctx, inc)
@@ -46,6 +48,8 @@ class Member:
         self.model: DataParallel | ShardedModel | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.tree: dict[str, Stateful] = {}  # everything a snapshot holds, named (built by Session.run)
+        self.persister = persister or Persister(ctx, self.slots_of)  # a spare's came with it from its standby
+        self.persister.sources = self.slots_of
 
     @property
     def rank(self) -> int:
@@ -90,6 +94,10 @@ class Member:
             self.watch.close()
             self.watch = None
         leave_group()
+
+    def slots_of(self, rank: int) -> list[Slot]:
+        """The slots holding rank's snapshots in this process: its own, or a replica it holds."""
+        return self.engine.slots if rank == self.inc.rank else self.held.slots.get(rank, [])
 
     # ---- the recovery state machine's view of this process (recovery.Member) ---------------
 

@@ -26,6 +26,7 @@ from deadpool.runtime.holding import Holdings
 from deadpool.runtime.implicit import RNGState, StepVariables
 from deadpool.runtime.loop import StepLoop
 from deadpool.runtime.member import Member
+from deadpool.runtime.persist import Persister
 from deadpool.runtime.recovery import Recovery, State
 from deadpool.runtime.sharded import ShardedModel, is_sharded
 from deadpool.runtime.state import Stateful, state_sha256
@@ -47,8 +48,9 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
     if ctx.role == "spare":
         from deadpool.spare import Standby
 
-        inc, held = Standby(ctx, warmup).run()
-        session = Session(ctx, inc, held=held)
+        standby = Standby(ctx, warmup)
+        inc, held = standby.run()
+        session = Session(ctx, inc, held=held, persister=standby.persister)
         # Hand over, receive and report this rank's replicas and join the group now; the script then builds
         # its model, and session.run() restores into it with the same state machine as the survivors.
         recovery = session.loop.recovery = Recovery(ctx, session.member, inc.generation - 1, failed_step=None,
@@ -64,9 +66,10 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
 class Session:
     """One process's membership in the job, as the script sees it."""
 
-    def __init__(self, ctx: Context, inc: Incarnation, held: Holdings | None = None) -> None:
+    def __init__(self, ctx: Context, inc: Incarnation, held: Holdings | None = None,
+                 persister: Persister | None = None) -> None:
         self.ctx = ctx
-        self.member = Member(ctx, inc, held)
+        self.member = Member(ctx, inc, held, persister)
         self.loop = StepLoop(self.member)
         self._registered: dict[str, Stateful] = {}
         # Unseeded Python and NumPy generators would make every run differ; a script that seeds them after

@@ -1,0 +1,121 @@
+"""A process's part of the disk tier: writes the committed snapshots the coordinator orders it to write, from
+host memory, in a thread of its own; writes its own rank's last commit as training ends; restores a rank from
+a checkpoint when the job resumes (`deadpool run --resume`).
+
+    coordinator: persist/order = {step, writers}  -->  this thread: copy the slot out, check it, write the part
+    this thread: persist/{step}/{proc} = report   -->  coordinator: assemble the checkpoint (deadpool/disk)
+
+A snapshot is copied out of its slot before it is written (a newer snapshot may overwrite the slot meanwhile)
+and the copy is checked against the slot's checksum, so what reaches the disk is exactly what was committed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from deadpool.config import JobConfig
+from deadpool.errors import ConfigError, ProtocolError
+from deadpool.protocol.records import PersistOrder, PersistReport
+from deadpool.runtime.context import Context, connect
+from deadpool.runtime.slots import Slot, checksum
+
+POLL_S = 0.1  # how often a process looks for a new order: checkpoints are minutes apart, a write takes seconds
+
+
+def copy_out(rank: int, slots: list[Slot], step: int) -> tuple[bytes, torch.Tensor]:
+    """A private copy of rank's snapshot `step` (meta, bytes), exactly as committed."""
+    slot = next((s for s in slots if s.step == step), None)
+    if slot is None:
+        raise ProtocolError(f"snapshot {step} of rank {rank} is no longer held here (a newer one replaced it)")
+    meta, crc = slot.meta, slot.crc
+    data = slot.data.clone()
+    if slot.step != step or checksum(meta, data) != crc:
+        raise ProtocolError(f"snapshot {step} of rank {rank} changed while it was copied (a newer one replaced it)")
+    return meta, data
+
+
+class Persister:
+    """Carries out the coordinator's persist orders addressed to this process. `sources(rank)` gives the slots
+    holding a rank's snapshots here (its own, or a replica it holds); it changes when a spare takes a rank."""
+
+    def __init__(self, ctx: Context, sources: Callable[[int], list[Slot]]) -> None:
+        self.ctx = ctx
+        self.sources = sources
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        if ctx.config.persist_dir:
+            self.thread = threading.Thread(target=self._run, name="deadpool-persist", daemon=True)
+            self.thread.start()
+
+    def write(self, step: int, ranks: list[int]) -> PersistReport:
+        """Writes these ranks' snapshot `step` as this process's part of checkpoint `step`."""
+        from deadpool.disk import write_part  # torch.distributed.checkpoint: only for jobs with a disk tier
+
+        ctx, start = self.ctx, time.monotonic()
+        try:
+            snapshots = {rank: copy_out(rank, self.sources(rank), step) for rank in ranks}
+            nbytes = sum(data.numel() for _, data in snapshots.values())
+            write_part(Path(ctx.config.persist_dir), step, ctx.proc, snapshots, ctx.config.identity())
+        except Exception as error:  # reported: the coordinator drops this checkpoint, the job goes on
+            report = PersistReport(step, ctx.proc, tuple(ranks), ok=False, error=f"{type(error).__name__}: {error}")
+            ctx.events.emit("persist_part_failed", step=step, ranks=ranks, error=report.error)
+            return report
+        seconds = time.monotonic() - start
+        ctx.events.emit("persist_part", step=step, ranks=ranks, nbytes=nbytes, seconds=seconds)
+        return PersistReport(step, ctx.proc, tuple(ranks), ok=True, nbytes=nbytes, seconds=seconds)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(5.0)
+
+    def _run(self) -> None:
+        ctx, key, done = self.ctx, self.ctx.keys.persist_order(), b""
+        try:
+            store = connect(ctx.config)  # its own client: the training thread's must never wait behind a write
+            while not self.stop.wait(POLL_S):
+                if not store.check([key]):
+                    continue
+                raw = store.get(key)
+                if raw == done:
+                    continue
+                done = raw
+                order = PersistOrder.from_json(raw)
+                ranks = order.ranks_of(ctx.proc)
+                if ranks:
+                    report = self.write(order.step, ranks)
+                    store.set(ctx.keys.persisted(order.step, ctx.proc), report.to_json())
+        except Exception as error:  # the job is over (the store closed) or the order was malformed
+            if not self.stop.is_set():
+                ctx.events.emit("persister_stopped", error=f"{type(error).__name__}: {error}")
+
+
+def resume_from_disk(ctx: Context, rank: int, slot: Slot) -> int:
+    """Loads rank's snapshot from the checkpoint this job resumes from into `slot`; returns its step."""
+    from deadpool.disk import read_rank
+
+    meta, data = read_rank(Path(ctx.config.resume), rank)
+    buffer = slot.reserve(data.numel())
+    buffer.copy_(data)
+    step = int(json.loads(meta)["step"])
+    slot.seal(step, meta, checksum(meta, buffer), trusted=True)
+    return step
+
+
+def on_disk(config: JobConfig, step: int) -> bool:
+    """Whether checkpoint `step` is complete in the persist dir already (nothing to write)."""
+    from deadpool.disk import checkpoint_path
+
+    return checkpoint_path(Path(config.persist_dir), step).exists()
+
+
+def describe_misfit(path: str, error: Exception) -> ConfigError:
+    """A checkpoint whose state does not load into this job's (other shapes, other names)."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ConfigError(f"cannot resume from {path}: it holds the state of another job ({first})")

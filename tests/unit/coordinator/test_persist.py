@@ -1,0 +1,140 @@
+"""Tests for deadpool/coordinator/persist.py and the machine's disk tier: orders, reports, finalize, SIGTERM,
+with a fake clock."""
+
+from dataclasses import replace
+
+import pytest
+
+from deadpool.config import JobConfig
+from deadpool.coordinator.machine import advance, start
+from deadpool.coordinator.persist import persist_due, writers_of
+from deadpool.coordinator.policy import Durable
+from deadpool.coordinator.protocol import Plan
+from deadpool.coordinator.state import CoordinatorState, Emit, Finalize, Inputs, OrderPersist, Stop
+from deadpool.protocol.records import PersistOrder, PersistReport
+
+CONFIG = JobConfig(script="train.py", workers=2, spares=1, run_dir="run", persist_dir="ckpt", persist_every=2)
+
+
+def emitted(effects, name: str) -> list[dict]:
+    return [dict(e.fields) for e in effects if isinstance(e, Emit) and e.event == name]
+
+
+def of(effects, kind: type) -> list:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def committing(s: CoordinatorState, step: int, t: float, **more) -> tuple[CoordinatorState, tuple]:
+    return advance(s, Inputs(durable={r: Durable(tuple(range(step + 1))) for r in range(2)}, **more), t)
+
+
+def report(step: int, proc: str, ok: bool = True, error: str = "") -> PersistReport:
+    return PersistReport(step, proc, (0, 1), ok, error, nbytes=1000, seconds=0.5)
+
+
+# ---- the pure rules ---------------------------------------------------------------------------
+
+def test_an_idle_spare_holding_a_rank_writes_it_else_the_rank_itself():
+    plan = Plan(0, ranks=("w0", "w1", "w2"), holders=(("s0",), ("w2",), ("s0", "w0")), spares=("s0",))
+    assert writers_of(plan) == ("s0", "w1", "s0")
+
+
+@pytest.mark.parametrize("committed,persisted,commits,since,now,due", [
+    (None, None, 5, 0.0, 9.0, False),  # nothing committed yet
+    (4, 4, 5, 0.0, 9.0, False),        # on disk already
+    (4, None, 1, 0.0, 1.0, False),     # one commit of two
+    (4, None, 2, 0.0, 1.0, True),      # --persist-every 2
+])
+def test_persist_due_every_n_commits(committed, persisted, commits, since, now, due):
+    assert (persist_due(CONFIG, committed, persisted, commits, since, now).value is True) is due
+
+
+def test_persist_due_by_interval_too():
+    config = replace(CONFIG, persist_every=0, persist_interval_s=30.0)
+    assert persist_due(config, 4, None, 1, 0.0, 29.0).value is None
+    decision = persist_due(config, 4, None, 1, 0.0, 31.0)
+    assert decision.value is True and "30" in decision.reason
+    assert persist_due(replace(config, persist_dir=""), 4, None, 9, 0.0, 99.0).value is None
+
+
+# ---- the machine ------------------------------------------------------------------------------
+
+def test_every_second_commit_is_ordered_then_finalized_once_every_writer_reported():
+    s, _ = start(CONFIG)
+    s, effects = committing(s, 1, 1.0)
+    assert not of(effects, OrderPersist)
+    s, effects = committing(s, 2, 2.0)
+    assert of(effects, OrderPersist) == [OrderPersist(PersistOrder(2, 0, ("s0", "s0"), s.persisting.reason))]
+    assert "2 commits" in s.persisting.reason
+    s, effects = advance(s, Inputs(), 2.5)  # no report yet: waits
+    assert not of(effects, Finalize) and s.persisting is not None
+    s, effects = advance(s, Inputs(persist_reports={"s0": report(2, "s0")}), 3.0)
+    assert of(effects, Finalize) == [Finalize(2, 2.0, 1000, 0.5)]
+    s, _ = advance(s, Inputs(finalized={2: True}), 3.5)
+    assert (s.persisting, s.persisted, s.commits_since_persist) == (None, 2, 0)
+
+
+def test_a_failed_part_drops_the_order_and_a_later_commit_orders_again():
+    s, _ = start(CONFIG)
+    s, _ = committing(s, 1, 1.0)
+    s, _ = committing(s, 2, 2.0)
+    s, effects = advance(s, Inputs(persist_reports={"s0": report(2, "s0", ok=False, error="disk full")}), 3.0)
+    assert emitted(effects, "persist_failed") == [{"step": 2, "reason": "s0: disk full"}]
+    assert s.persisting is None and s.persisted is None
+    s, effects = committing(s, 3, 4.0)
+    assert [e.order.step for e in of(effects, OrderPersist)] == [3]
+
+
+def test_a_writer_that_never_reports_is_given_up_at_the_deadline():
+    s, _ = start(CONFIG)
+    s, _ = committing(s, 1, 1.0)
+    s, _ = committing(s, 2, 2.0)
+    s, effects = advance(s, Inputs(), 2.0 + CONFIG.collective_timeout_s + 1)
+    assert "did not report" in emitted(effects, "persist_failed")[0]["reason"]
+    assert s.persisting is None
+
+
+def test_reports_of_another_step_do_not_count():
+    s, _ = start(CONFIG)
+    s, _ = committing(s, 1, 1.0)
+    s, _ = committing(s, 2, 2.0)
+    s, effects = advance(s, Inputs(persist_reports={"s0": report(1, "s0")}), 3.0)
+    assert not of(effects, Finalize) and s.persisting is not None
+
+
+def test_sigterm_persists_the_newest_commit_then_stops_with_143():
+    s, _ = start(CONFIG)
+    s, _ = committing(s, 1, 1.0)
+    s, effects = advance(s, Inputs(terminate=True), 2.0)
+    assert [e.order.step for e in of(effects, OrderPersist)] == [1] and s.exit_code is None
+    s, effects = advance(s, Inputs(persist_reports={"s0": report(1, "s0")}), 2.5)
+    assert of(effects, Finalize) and s.exit_code is None
+    s, effects = advance(s, Inputs(finalized={1: True}), 3.0)
+    assert s.exit_code == 143 and of(effects, Stop) == [Stop("terminated", grace_s=0.0)]
+    assert emitted(effects, "job_stopped") == [{"signal": "SIGTERM", "persisted": 1, "committed": 1}]
+
+
+def test_sigterm_stops_at_the_grace_even_if_the_write_is_not_done():
+    s, _ = start(CONFIG)
+    s, _ = committing(s, 1, 1.0)
+    s, _ = advance(s, Inputs(terminate=True), 2.0)
+    s, _ = advance(s, Inputs(), 2.0 + CONFIG.stop_grace_s - 0.1)
+    assert s.exit_code is None
+    s, effects = advance(s, Inputs(), 2.0 + CONFIG.stop_grace_s + 0.1)
+    assert s.exit_code == 143 and "no complete checkpoint" in s.failure
+
+
+def test_sigterm_without_a_disk_tier_stops_at_once_and_says_nothing_was_kept():
+    s, _ = start(replace(CONFIG, persist_dir=""))
+    s, _ = committing(s, 1, 1.0)
+    s, effects = advance(s, Inputs(terminate=True), 2.0)
+    assert s.exit_code == 143 and not of(effects, OrderPersist) and "nothing was persisted" in s.failure
+
+
+def test_the_end_of_the_job_finalizes_the_last_commit_the_ranks_wrote():
+    from deadpool.coordinator.state import ExitReport
+
+    s, _ = start(CONFIG)
+    s, _ = committing(s, 1, 1.0)
+    s, effects = advance(s, Inputs(exits=(ExitReport("w0", 0, 1, True), ExitReport("w1", 0, 2, True))), 2.0)
+    assert s.exit_code == 0 and of(effects, Finalize) == [Finalize(1, None, 0, 0.0)]
