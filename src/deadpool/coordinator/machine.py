@@ -49,6 +49,7 @@ from deadpool.coordinator.state import (
     ExitReport,
     Failure,
     Fence,
+    Finalize,
     Hang,
     Heartbeat,
     Inputs,
@@ -276,6 +277,13 @@ def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
         s = persist.tick(s, inputs, now, out, may_order=False)
     if s.persisting is not None and now < since + config.stop_grace_s:
         return s
+    if s.last_try:
+        return terminated(replace(s, persisted=s.committed) if inputs.finalized.get(s.committed or -1) else s, out)
+    if config.persist_dir and s.committed is not None and s.persisted != s.committed:
+        # The order failed or ran out of time; ranks that got the SIGTERM too (scancel signals every process)
+        # wrote their own parts as they exited: whatever is complete on disk is assembled now.
+        out.append(Finalize(s.committed, None, 0, 0.0))
+        return replace(s, last_try=True)
     return terminated(s, out)
 
 

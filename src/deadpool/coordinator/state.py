@@ -291,3 +291,4 @@ class CoordinatorState:
     commits_since_persist: int = 0
     persisted_t: float | None = None    # when the last checkpoint completed (or the first commit came)
     stopping_t: float | None = None     # SIGTERM arrived: the job persists its newest commit and stops
+    last_try: bool = False              # stopping: the parts on disk are being assembled one last time

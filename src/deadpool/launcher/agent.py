@@ -18,11 +18,12 @@ from deadpool.coordinator.protocol import ENV_CONFIG, ENV_DEVICE, ENV_PROC, ENV_
 
 _print_lock = threading.Lock()
 
-# Started in front of each process: asks the kernel to SIGKILL it when its parent (the launcher, or a node's
+# Started in front of each process: asks the kernel to send it SIGTERM when its parent (the launcher, or a node's
 # agent) dies (PR_SET_PDEATHSIG, kept across exec), exits if the parent is already gone, then becomes the
-# training process (same pid). Nothing outlives a launcher killed by SIGKILL or the OOM killer. A shim
+# training process (same pid). Nothing outlives a launcher killed by SIGKILL or the OOM killer for long: the
+# process writes its newest commit to disk and exits within --stop-grace (runtime/terminate.py). A shim
 # rather than Popen's preexec_fn: Python code between fork and exec in a threaded parent can deadlock.
-DIE_WITH_PARENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
+DIE_WITH_PARENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 15); "
                    "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])")
 
 

@@ -24,7 +24,7 @@ from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
-from deadpool.runtime.persist import describe_misfit, on_disk, resume_from_disk
+from deadpool.runtime.persist import describe_misfit, resume_from_disk
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.snapshot import read_committed
 from deadpool.runtime.state import state_sha256
@@ -147,8 +147,8 @@ class StepLoop:
         if self.every:
             with member.progress.waiting_for("commit"):
                 member.engine.drain()
-            if member.ctx.config.persist_dir:
-                self._persist_last()
+            committed, _ = read_committed(member.ctx.store, member.inc.committed_key())
+            member.persist(committed)  # with --persist-dir: the job's last commit becomes a checkpoint
         # The training state: everything registered, the RNGs and the step, not DeadPool's own settings. The
         # step function's variables have their own digest but stay out of the whole: they may hold timings.
         training = {name: obj for name, obj in member.tree.items() if name != "deadpool"}
@@ -162,19 +162,6 @@ class StepLoop:
         # it with dist.destroy_process_group(), as after DDP. Failures from here on are not recovered.
         member.engine.stop()
         member.held.stop()  # the last snapshot is committed: every holder has acknowledged every rank's copy
-
-    def _persist_last(self) -> None:
-        """Writes this rank's part of the job's last commit: the coordinator completes that checkpoint once every
-        rank finished, so a finished job can be resumed (to train further) whatever --persist-every is."""
-        member = self.member
-        committed, _ = read_committed(member.ctx.store, member.inc.committed_key())
-        if committed is None or on_disk(member.ctx.config, committed):
-            return
-        with member.progress.waiting_for("persist"):
-            report = member.persister.write(committed, [member.rank])
-        if not report.ok:
-            print(f"[deadpool] rank {member.rank}: could not write step {committed} to disk: {report.error}",
-                  file=sys.stderr, flush=True)
 
     # ---- failures ------------------------------------------------------------------------
 

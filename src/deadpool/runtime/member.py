@@ -9,6 +9,7 @@ model, the optimizers, the slots) outlives them.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -19,7 +20,7 @@ from deadpool.runtime.comms import DataParallel, abandon_group, communicating, j
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
-from deadpool.runtime.persist import Persister
+from deadpool.runtime.persist import Persister, on_disk
 from deadpool.runtime.sharded import ShardedModel
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.snapshot import SnapshotEngine
@@ -94,6 +95,18 @@ class Member:
             self.watch.close()
             self.watch = None
         leave_group()
+
+    def persist(self, step: int | None) -> None:
+        """Writes this rank's part of checkpoint `step` from its own slot, unless it is on disk already (at the
+        end of training, and on SIGTERM: the coordinator, or `--resume`, completes the checkpoint)."""
+        config = self.ctx.config
+        if not config.persist_dir or step is None or on_disk(config, step):
+            return
+        with self.progress.waiting_for("persist"):
+            report = self.persister.write(step, [self.rank])
+        if not report.ok:
+            print(f"[deadpool] rank {self.rank}: could not write step {step} to disk: {report.error}",
+                  file=sys.stderr, flush=True)
 
     def slots_of(self, rank: int) -> list[Slot]:
         """The slots holding rank's snapshots in this process: its own, or a replica it holds."""

@@ -30,6 +30,7 @@ from deadpool.runtime.persist import Persister
 from deadpool.runtime.recovery import Recovery, State
 from deadpool.runtime.sharded import ShardedModel, is_sharded
 from deadpool.runtime.state import Stateful, state_sha256
+from deadpool.runtime.terminate import on_termination
 
 RESERVED = ("rng", "deadpool", "variables")  # the names of the state DeadPool adds to every snapshot
 
@@ -43,6 +44,13 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
     shapes (torch.compile's code is kept per model class and reused by the model built after the
     spare is called). Workers do not run it."""
     ctx = Context.from_environment()
+    joined: list[Session] = []  # set once this process has a rank
+
+    def last_words() -> None:  # SIGTERM: a rank's newest commit goes to disk before the process exits
+        for session in joined:
+            session.member.persist(session.member.engine.committed)
+
+    on_termination(ctx, last_words)
     ctx.store.set(ctx.keys.started(ctx.proc), "1")
     ctx.events.emit("process_start", argv=sys.argv)
     if ctx.role == "spare":
@@ -56,10 +64,12 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
         recovery = session.loop.recovery = Recovery(ctx, session.member, inc.generation - 1, failed_step=None,
                                                     inc=inc)
         recovery.run(until=State.RESTORE)
+        joined.append(session)
         return session
     ctx.wait_key(ctx.keys.plan(0), time.monotonic() + ctx.config.connect_timeout_s)
     session = Session(ctx, Incarnation.of(ctx.plan(0), ctx.proc, ctx.keys))
     session.member.enter()  # the script may use torch.distributed from here on
+    joined.append(session)
     return session
 
 

@@ -69,6 +69,7 @@ class SnapshotEngine:
         self.wait_s = 0.0            # total time the training thread waited for copies
         self.replicated = False      # data parallel: report fingerprints, which must be equal on every rank
         self.costs: list[float] = []  # engine busy seconds per snapshot (copy + checksum + replicate)
+        self.committed: int | None = None  # the newest commit this rank has seen: what it persists if told to stop
         self.lock = threading.Lock()  # taken to reserve a slot, and to take slots away from a stopped run
         self._run: _Run | None = None
         self._stream = torch.cuda.Stream(device) if self.cuda else None
@@ -149,6 +150,7 @@ class SnapshotEngine:
         deadline = time.monotonic() + self.ctx.config.recovery_timeout_s
         while True:
             committed, abandoned = read_committed(self.ctx.store, run.inc.committed_key())
+            self.committed = committed if committed is not None else self.committed
             if (committed is not None and committed >= step) or step in abandoned:
                 return
             run.raise_if_failed()
@@ -299,6 +301,7 @@ class _Run:
         pause = 0.0005
         while True:
             committed, abandoned = read_committed(store, self.inc.committed_key())
+            self.engine.committed = committed if committed is not None else self.engine.committed
             with self.engine.lock:
                 if self.stop.is_set() or self.watch.aborted():
                     raise InterruptedError("generation over")
