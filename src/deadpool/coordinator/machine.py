@@ -28,6 +28,7 @@ from deadpool.coordinator.policy import (
     DIVERGENCE_CAUSES,
     FINISHED,
     SCRIPT_ERROR,
+    Decision,
     Divergence,
     Durable,
     Pulse,
@@ -292,7 +293,12 @@ def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
 def _choose_target(s: State, holdings: Mapping[int, list[int]], now: float, out: list[Effect]) -> State:
     gen = s.plan.generation
     decision = choose_restore_step(s.committed, holdings)
-    out.append(Emit("restore_decided", dict(target=decision.value, reason=decision.reason, holdings=dict(holdings))))
+    from_disk = decision.value is None and s.persisted is not None  # memory first, disk second, in one recovery
+    if from_disk:
+        decision = Decision(s.persisted, f"cannot recover from memory ({decision.reason}); every rank restores "
+                                         f"step {s.persisted} from disk, in place")
+    out.append(Emit("restore_decided", dict(target=decision.value, reason=decision.reason, holdings=dict(holdings),
+                                            from_disk=from_disk)))
     if decision.value is None:
         return fail(s, f"cannot recover from memory: {decision.reason}", out)
     out += [WriteCommit(gen, decision.value, ()), WriteTarget(gen, decision.value)]

@@ -192,7 +192,8 @@ def node_map(workers: int, spares: int, nproc_per_node: int) -> dict[str, int]:
             **{f"s{i}": worker_nodes + i // nproc_per_node for i in range(spares)}}
 
 
-def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> Decision[Plan]:
+def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str],
+                        disk_step: int | None = None) -> Decision[Plan]:
     """The next plan after every process in `lost` is gone, or None and why the job cannot go on.
 
     `steady` is the last plan that finished recovering: its holders are the ones that really hold
@@ -202,13 +203,15 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
     A lost idle spare shrinks the pool; it needs a new generation (everyone rolls back to the last
     commit) only if it held replicas, which are then placed anew. `generation` is the newest one
     published; the new plan gets the next number, or the same one when nothing needs rebuilding.
+    A lost rank with no live holder is taken over all the same when checkpoint `disk_step` is on disk:
+    every rank then restores it, in place (machine._choose_target).
     """
     pool = [s for s in steady.spares if s not in lost]
     dead = [r for r, p in enumerate(steady.ranks) if p in lost]
     ranks, moves = list(steady.ranks), []
     sources: list[str | None] = [None] * steady.world_size
     orphans = [r for r in dead if not any(h not in lost for h in steady.holders[r])]
-    if orphans:
+    if orphans and (disk_step is None or not steady.replicate):
         who = ", ".join(f"{steady.ranks[r]} (rank {r})" for r in orphans)
         held = sorted({h for r in orphans for h in steady.holders[r]})
         its, replica = ("its", "replica") if len(orphans) == 1 else ("their", "replicas")
@@ -229,6 +232,9 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str]) -> 
     if dead:
         failed = ", ".join(f"{steady.ranks[r]} (rank {r})" for r in dead)
         reason = f"{failed} failed; {', '.join(moves)}"
+        if orphans:
+            reason += (f"; no live holder of rank{'s' if len(orphans) > 1 else ''} {', '.join(map(str, orphans))}: "
+                       f"every rank restores step {disk_step} from disk")
     else:
         reason = f"spare {', '.join(lost_spares)} lost; {len(pool)} left"
     rebuild = bool(dead) or generation != steady.generation or any(steady.held_by(s) for s in lost_spares)

@@ -31,7 +31,7 @@ def decide(s: State, now: float, out: list[Effect]) -> State:
         return fail(s, f"{', '.join(f'{f.who} {f.exit}' for f in failed)} after ranks {done} had finished "
                        f"training; the run is complete on those ranks, not on the failed one. "
                        f"Last committed step: {s.committed}.", out)
-    decision = plan_after_failures(s.steady, s.plan.generation, s.lost)
+    decision = plan_after_failures(s.steady, s.plan.generation, s.lost, disk_step=s.persisted)
     if decision.value is None:
         waited = 0.0 if s.awaiting_since is None else now - s.awaiting_since
         wait = wait_for_spare(s.steady, s.lost, waited, s.config.spare_wait_s)

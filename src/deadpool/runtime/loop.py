@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,7 @@ from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
-from deadpool.runtime.persist import describe_misfit, resume_from_disk
+from deadpool.runtime.persist import describe_misfit, load_from_disk
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.snapshot import read_committed
 from deadpool.runtime.state import state_sha256
@@ -91,7 +92,7 @@ class StepLoop:
         """`deadpool run --resume`: this rank's state, RNGs and step counter come from the checkpoint."""
         member, path = self.member, self.member.ctx.config.resume
         with member.progress.waiting_for("resume"):
-            step = resume_from_disk(member.ctx, member.rank, member.engine.slots[0])
+            step = load_from_disk(Path(path), member.rank, member.engine.slots[0])
         try:
             member.restore(step)
         except Exception as error:

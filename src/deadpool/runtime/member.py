@@ -20,7 +20,7 @@ from deadpool.runtime.comms import DataParallel, abandon_group, communicating, j
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
-from deadpool.runtime.persist import Persister, on_disk
+from deadpool.runtime.persist import Persister, checkpoint_of, load_from_disk, on_disk
 from deadpool.runtime.sharded import ShardedModel
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.snapshot import SnapshotEngine
@@ -98,7 +98,7 @@ class Member:
 
     def persist(self, step: int | None) -> None:
         """Writes this rank's part of checkpoint `step` from its own slot, unless it is on disk already (at the
-        end of training, and on SIGTERM: the coordinator, or `--resume`, completes the checkpoint)."""
+        end of training: the coordinator completes the checkpoint once every rank finished)."""
         config = self.ctx.config
         if not config.persist_dir or step is None or on_disk(config, step):
             return
@@ -107,6 +107,15 @@ class Member:
         if not report.ok:
             print(f"[deadpool] rank {self.rank}: could not write step {step} to disk: {report.error}",
                   file=sys.stderr, flush=True)
+
+    def persist_newest(self) -> None:
+        """On SIGTERM, perhaps with no coordinator left to ask: writes every snapshot in this rank's slots from
+        the newest commit it saw on. Another rank may have seen a newer commit, which this rank holds too (a step
+        is committed only once every rank holds it): `--resume` finishes the newest step every rank wrote."""
+        seen = self.engine.committed
+        for step in sorted(s.step for s in self.engine.slots if s.step is not None and s.trusted):
+            if seen is not None and step >= seen:
+                self.persist(step)
 
     def slots_of(self, rank: int) -> list[Slot]:
         """The slots holding rank's snapshots in this process: its own, or a replica it holds."""
@@ -135,8 +144,15 @@ class Member:
         self.enter()
 
     def restore(self, step: int) -> None:
-        """Loads snapshot `step` from this rank's slot into the live state (the step loop's counters too)."""
-        skeleton, tensors, numpy_flags = self.engine.slot_for(step).tensors(self.device)
+        """Loads snapshot `step` into the live state (the step loop's counters too): from this rank's slot or,
+        when no copy of it is in memory (its holders were lost with it), from the checkpoint on disk."""
+        slot = next((s for s in self.engine.slots if s.step == step and s.usable()), None)
+        if slot is None:
+            slot = self.engine.slots[0]
+            path = checkpoint_of(self.ctx.config, step)
+            load_from_disk(path, self.rank, slot)
+            self.ctx.events.emit("restored_from_disk", step=step, path=str(path))
+        skeleton, tensors, numpy_flags = slot.tensors(self.device)
         load_into(self.tree, unflatten(skeleton, tensors, numpy_flags, one_mesh(self.tree)))
         self.engine.keep_only(step)
         for opt in self.optimizers:

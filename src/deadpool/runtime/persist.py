@@ -96,11 +96,12 @@ class Persister:
                 ctx.events.emit("persister_stopped", error=f"{type(error).__name__}: {error}")
 
 
-def resume_from_disk(ctx: Context, rank: int, slot: Slot) -> int:
-    """Loads rank's snapshot from the checkpoint this job resumes from into `slot`; returns its step."""
+def load_from_disk(path: Path, rank: int, slot: Slot) -> int:
+    """Loads rank's snapshot from checkpoint `path` into `slot` (trusted: the checkpoint's files were checked
+    against its manifest); returns its step."""
     from deadpool.disk import read_rank
 
-    meta, data = read_rank(Path(ctx.config.resume), rank)
+    meta, data = read_rank(path, rank)
     buffer = slot.reserve(data.numel())
     buffer.copy_(data)
     step = int(json.loads(meta)["step"])
@@ -113,6 +114,18 @@ def on_disk(config: JobConfig, step: int) -> bool:
     from deadpool.disk import checkpoint_path
 
     return checkpoint_path(Path(config.persist_dir), step).exists()
+
+
+def checkpoint_of(config: JobConfig, step: int) -> Path:
+    """Where checkpoint `step` is: in the persist dir, or the one this job resumed from."""
+    from deadpool.disk import checkpoint_path
+
+    path = checkpoint_path(Path(config.persist_dir), step) if config.persist_dir else None
+    if path is not None and path.exists():
+        return path
+    if config.resume:
+        return Path(config.resume)
+    raise ProtocolError(f"checkpoint {step} is not on disk (--persist-dir {config.persist_dir or 'not given'})")
 
 
 def describe_misfit(path: str, error: Exception) -> ConfigError:

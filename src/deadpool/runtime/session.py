@@ -48,7 +48,7 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
 
     def last_words() -> None:  # SIGTERM: a rank's newest commit goes to disk before the process exits
         for session in joined:
-            session.member.persist(session.member.engine.committed)
+            session.member.persist_newest()
 
     on_termination(ctx, last_words)
     ctx.store.set(ctx.keys.started(ctx.proc), "1")

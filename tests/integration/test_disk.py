@@ -1,0 +1,135 @@
+"""The disk tier with real processes and real signals: a stopped or lost job resumes bit for bit, and a rank lost
+with every holder of its replica is restored from disk in place."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .conftest import REPO, SMALL, TRAIN, Background, run_job
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _launch(run_dir: Path, persist: Path, *more: str) -> subprocess.Popen:
+    """`deadpool run` in a process of its own (so that it can be signalled), the reference job's shape."""
+    return subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "4", "--spares", "1",
+                             "--persist-dir", str(persist), "--persist-every", "3", *more, "--out", str(run_dir),
+                             str(TRAIN), "--steps", "10", *SMALL], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(run_dir: Path, step: int, launcher: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(e["event"] == "commit" and e["step"] >= step for e in _events(run_dir)):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the job ended or stalled before the step"
+        time.sleep(0.05)
+
+
+def _resumed_matches_reference(run_dir: Path, persist: Path, reference, expected_step: int) -> None:
+    """`--resume auto` with the same job: it starts after `expected_step` and ends bit for bit the reference."""
+    job = run_job(run_dir, persist_dir=str(persist), persist_every=3, resume="auto")
+    assert job.code == 0, job.summary["error"]
+    assert job.summary["resumed_from"]["step"] == expected_step
+    assert min(e["step"] for e in job.named("step")) == expected_step + 1  # nothing before it is run again
+    assert job.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
+
+
+def test_sigterm_persists_the_newest_commit_and_resume_is_bit_for_bit(tmp_path, reference):
+    """A scheduler's SIGTERM: the launcher has the newest commit written (by the idle spare), exits 143 and
+    prints the command that goes on; that command finishes the run bit for bit."""
+    persist, first = tmp_path / "ckpt", tmp_path / "first"
+    launcher = _launch(first, persist)
+    try:
+        _wait_for_step(first, 4, launcher)
+        launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    assert launcher.returncode == 143, output
+    assert "to go on: deadpool run --resume auto" in output
+    summary = json.loads((first / "summary.json").read_text())
+    stopped = [e for e in _events(first) if e["event"] == "job_stopped"][-1]
+    assert summary["stopped_by"] == "SIGTERM" and stopped["persisted"] == stopped["committed"] >= 4
+    assert summary["checkpoints"][-1]["step"] == stopped["persisted"]
+    _resumed_matches_reference(tmp_path / "second", persist, reference, stopped["persisted"])
+
+
+def test_a_lost_coordinator_leaves_a_checkpoint_that_resume_completes(tmp_path, reference):
+    """SIGKILL the launcher (and with it the coordinator and its store): every rank gets SIGTERM from the kernel,
+    writes its newest commit and exits; `--resume auto` assembles that checkpoint and goes on, bit for bit."""
+    persist, first = tmp_path / "ckpt", tmp_path / "first"
+    launcher = _launch(first, persist, "--persist-every", "1000")  # no checkpoint but the ranks' own last words
+    try:
+        _wait_for_step(first, 5, launcher)
+        pids = {e["proc"]: e["pid"] for e in _events(first) if e["event"] == "process_start"}
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in pids.values()):
+            time.sleep(0.1)
+        assert not [p for p in pids.values() if _alive(p)], "a training process outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    written = [e for e in _events(first) if e["event"] == "persist_part"]
+    steps = {r: {e["step"] for e in written if e["ranks"] == [r]} for r in range(4)}
+    assert all(steps.values()), steps  # every rank wrote its part on its way out
+    newest = max(set.intersection(*steps.values()))  # the newest step every rank wrote
+    _resumed_matches_reference(tmp_path / "second", persist, reference, newest)
+
+
+def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_path, reference):
+    """Memory first, disk second, in one recovery: rank 1 and the spare holding its replica die together; the
+    other spare takes rank 1, every rank restores the newest checkpoint, survivors keep their processes."""
+    job = Background(tmp_path / "run", spares=2, persist_dir=str(tmp_path / "ckpt"), persist_every=2)
+    job.wait_for(lambda e: e["event"] == "checkpoint_persisted" and e["step"] >= 2)
+    plan = [e for e in job.events() if e["event"] == "plan_published"][-1]
+    [holder] = plan["holders"][1]
+    victims = [job.pid("w1"), job.pid(holder)]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    done = job.join()
+    assert done.code == 0, done.summary["error"]
+    [decided] = done.named("restore_decided")
+    assert decided["from_disk"] and "from disk" in decided["reason"]
+    assert len(done.named("restored_from_disk")) == 4  # every rank, the survivors too
+    spawned = {e["proc"]: e["pid"] for e in done.named("process_spawned")}
+    assert sorted(spawned) == ["s0", "s1", "w0", "w1", "w2", "w3"]  # nobody was restarted
+    finished = {e["rank"]: e["pid"] for e in done.named("finished")}
+    assert [finished[r] for r in (0, 2, 3)] == [spawned["w0"], spawned["w2"], spawned["w3"]]
+    assert done.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
+
+
+def test_resuming_from_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_path):
+    """A checkpoint of four ranks does not fit a job of two: exit 2, one line naming the difference, the
+    checkpoint untouched."""
+    persist = tmp_path / "ckpt"
+    job = run_job(tmp_path / "first", steps=2, workers=2, spares=0, persist_dir=str(persist), persist_every=1)
+    assert job.code == 0 and job.summary["checkpoints"]
+    before = {p: p.stat().st_mtime_ns for p in persist.rglob("*")}
+    out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "4", "--resume", "auto",
+                          "--persist-dir", str(persist), "--out", str(tmp_path / "second"), str(TRAIN), "--steps", "4",
+                          *SMALL], cwd=REPO, capture_output=True, text=True, timeout=60)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1 and "world size" in err[0], err
+    assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read().lower()
+    except FileNotFoundError:
+        return False
