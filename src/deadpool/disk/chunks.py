@@ -70,7 +70,8 @@ def chunk_rank(meta: bytes, data: torch.Tensor, rank: int, world_size: int) -> R
         paths = tuple(p for p, _ in where[i])
         fqn, key = ".".join(paths[0]), private_key(rank, i)
         dt = getattr(torch, dtype)
-        tensor = torch.frombuffer(raw[offset: offset + n], dtype=dt).reshape(shape) if n else torch.empty(shape, dtype=dt)
+        tensor = torch.frombuffer(raw[offset: offset + n], dtype=dt) if n else torch.empty(0, dtype=dt)
+        tensor = tensor.reshape(shape)
         shard = shard_of(where[i][0][1], tuple(shape), rank, world_size, fqn)
         if shard is not None and parsed["replicated"]:
             raise ValueError(f"{fqn} is sharded but the snapshot says its stable tensors are replicated (HSDP is "
@@ -100,7 +101,7 @@ def tensor_paths(skeleton: Any) -> dict[int, list[tuple[Path, dict]]]:
             for k, v in node["d"]:
                 walk(v, path + (k if isinstance(k, str) else str(k) if isinstance(k, int) else json.dumps(k),))
         else:
-            for j, v in enumerate(node.get("l", node.get("t", []))):
+            for j, v in enumerate(node["l"] if "l" in node else node["t"]):
                 walk(v, path + (str(j),))
 
     walk(skeleton, ())

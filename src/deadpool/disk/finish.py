@@ -28,12 +28,31 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from deadpool.disk.chunks import private_key
-from deadpool.disk.manifest import (FORMAT, MANIFEST, METADATA, PART_JSON, Identity, file_entry, files_reason,
-                                    fsync_dir, listing, read_json, step_dir, tmp_dir, write_durably)
+from deadpool.disk.manifest import (
+    FORMAT,
+    MANIFEST,
+    METADATA,
+    PART_JSON,
+    Identity,
+    file_entry,
+    files_reason,
+    fsync_dir,
+    listing,
+    read_json,
+    step_dir,
+    tmp_dir,
+    write_durably,
+)
 from deadpool.disk.write import read_part
 from deadpool.errors import CheckpointError
 
@@ -140,7 +159,8 @@ def _share(tensors: dict[str, TensorStorageMetadata], storage: dict[MetadataInde
     """Rank `rank`'s tensor `index`, stored by rank 0 under its fqn: its private key points at those bytes."""
     entry = tensors.get(shared["fqn"])
     zeros = (0,) * len(shared["shape"])
-    if (entry is None or list(entry.size) != shared["shape"] or entry.properties.dtype != getattr(torch, shared["dtype"])
+    dtype = getattr(torch, shared["dtype"])
+    if (entry is None or list(entry.size) != shared["shape"] or entry.properties.dtype != dtype
             or MetadataIndex(shared["fqn"], zeros) not in storage):
         raise CheckpointError(f"rank {rank}'s {shared['fqn']} ({shared['dtype']} {shared['shape']}) is not in rank 0's "
                               "snapshot as one whole tensor of that dtype and shape: its replicated state differs")

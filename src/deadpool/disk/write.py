@@ -23,8 +23,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from deadpool.disk.chunks import RankChunks, chunk_rank, meta_key
-from deadpool.disk.manifest import (FORMAT, PART_JSON, Identity, file_entry, files_reason, fsync_dir, read_json,
-                                    step_dir, tmp_dir, write_durably)
+from deadpool.disk.manifest import (
+    FORMAT,
+    PART_JSON,
+    Identity,
+    file_entry,
+    files_reason,
+    fsync_dir,
+    read_json,
+    step_dir,
+    tmp_dir,
+    write_durably,
+)
 from deadpool.runtime.slots import Slot
 
 

@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import torch
+from tests.unit.disk.plain_model import Tiny
 
 from deadpool.runtime.slots import Slot, checksum, make_meta
 from deadpool.runtime.state import ALIGN, Flat, Layout, flatten
-from tests.unit.disk.plain_model import Tiny
 
 
 class Box:

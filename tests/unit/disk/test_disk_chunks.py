@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from tests.unit.disk.snapshots import replicated_slots, sharded_slots, trained
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from deadpool.disk import chunk_rank, private_key
-from tests.unit.disk.snapshots import replicated_slots, sharded_slots, trained
 
 
 def test_fqns_are_dcps_flattened_keys_and_tied_weights_are_aliases():

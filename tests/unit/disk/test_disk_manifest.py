@@ -1,7 +1,8 @@
 """Tests for deadpool/disk/manifest.py: a job's identity, and the one line saying why a checkpoint does not fit."""
 
-from deadpool.disk import Identity, compatible
 from tests.unit.disk.snapshots import replicated_slots, sharded_slots
+
+from deadpool.disk import Identity, compatible
 
 
 def manifest_of(identity: Identity) -> dict:

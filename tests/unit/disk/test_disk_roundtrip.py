@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from tests.unit.disk.snapshots import Box, replicated_slots, seal, sharded_slots, slot_tensors
 
 from deadpool.disk import Identity, finalize, newest, read_rank, step_dir, tmp_dir, verify, write_part
 from deadpool.runtime.slots import checksum
 from deadpool.runtime.state import flatten
-from tests.unit.disk.snapshots import Box, replicated_slots, seal, sharded_slots, slot_tensors
 
 HERE = Path(__file__).parent
 

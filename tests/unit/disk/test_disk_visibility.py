@@ -4,10 +4,11 @@ finalize is idempotent and crash-safe, and pruning keeps the newest K."""
 import json
 import shutil
 
+from tests.unit.disk.snapshots import replicated_slots
+
 from deadpool.disk import Identity, finalize, newest, read_rank, step_dir, tmp_dir, verify, write_part
 from deadpool.disk.manifest import METADATA
 from deadpool.runtime.slots import checksum
-from tests.unit.disk.snapshots import replicated_slots
 
 
 def write(root, step, slots, writers=("s0", "w1"), keep=5):
