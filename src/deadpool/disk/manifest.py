@@ -52,8 +52,10 @@ class Identity:
     shapes: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        """As JSON (shapes as lists): parts are matched to a step by this, so every writer of one step passes an
+        equal identity (Identity.of any rank's snapshot gives the same)."""
         return {"config_hash": self.config_hash, "parallelism": self.parallelism, "world_size": self.world_size,
-                "shapes": self.shapes}
+                "shapes": {k: list(v) for k, v in self.shapes.items()}}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Identity:
