@@ -55,5 +55,9 @@ class StoreTimeout(ControlPlaneError):
     """A key awaited in the coordinator's store did not appear in time."""
 
 
+class CheckpointError(DeadPoolError):
+    """A checkpoint on disk is incomplete or damaged, or cannot be restored into this job."""
+
+
 class InjectedError(Exception):
     """Raised by an `error` fault: stands for a bug in the training script (so not a DeadPoolError)."""

@@ -340,7 +340,9 @@ class _Run:
                     self.ctx.faults.point("snapshot_copy", job.step)
                 if n:
                     buffer[offset: offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=engine.cuda)
-                if offset + n < job.layout.lead_nbytes:  # padding in the fingerprinted region: equal on every rank
+                # padding is zeroed everywhere: equal on every rank in the fingerprinted region, and what the
+                # disk tier gives back (it stores tensors, not padding), so a slot read from disk has the same CRC
+                if n % ALIGN:
                     buffer[offset + n: offset - (-n // ALIGN) * ALIGN].zero_()
         if engine._stream is not None:
             engine._stream.synchronize()

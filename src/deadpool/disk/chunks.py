@@ -1,0 +1,145 @@
+"""A rank's snapshot as chunks of global tensors plus private ones: which tensor goes under which DCP key (pure).
+
+Rank 0 stores every tensor it has under its global fqn (the state-tree path joined with ".", as DCP flattens
+nested dicts), so a plain model loads its parameters and buffers from a checkpoint with `dcp.load`. FSDP
+shards (skeleton "D" nodes on a 1-D mesh over the whole job, torch.chunk layout) are chunks of their global
+tensor at their offsets, from every rank. Under data parallelism (`replicated`) the other ranks' stable
+tensors are bit-identical to rank 0's (checked at commit), so they are not stored again: they are *shared*,
+read back from rank 0's copy. Everything else of rank r is private, under `_deadpool/rank{r}/t{i}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def private_key(rank: int, index: int) -> str:
+    """The key of tensor `index` of `rank`: every tensor a checkpoint holds can be read whole by this key."""
+    return f"_deadpool/rank{rank}/t{index}"
+
+
+def meta_key(rank: int) -> str:
+    return f"_deadpool/rank{rank}/meta"
+
+
+Path = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored tensor of a rank: the piece of global tensor `fqn` at `offsets` (a whole tensor: all 0), or
+    the rank's own tensor when `fqn` is its private key. It can always be read whole by `key` (the private
+    key). `paths`: the state-tree paths of the global tensor, the first one `fqn`'s, the others tied aliases."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+    key: str
+    paths: tuple[Path, ...] = ()
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return tuple(".".join(p) for p in self.paths[1:])
+
+
+@dataclass
+class RankChunks:
+    """What one rank's snapshot stores (`chunks`), and its tensors stored by rank 0 instead (`shared`:
+    tensor index -> global fqn)."""
+
+    rank: int
+    chunks: list[Chunk]
+    shared: dict[int, str]
+
+
+def chunk_rank(meta: bytes, data: torch.Tensor, rank: int, world_size: int) -> RankChunks:
+    """The chunks of one rank's snapshot (`data`: the slot's bytes, laid out as `meta` says). Each chunk's
+    tensor aliases `data` (no copy) and owns exactly its own bytes, so DCP writes it without cloning it."""
+    parsed = json.loads(meta)
+    where = tensor_paths(parsed["skeleton"])
+    raw = data.numpy()
+    out = RankChunks(rank, [], {})
+    for i, (dtype, shape, offset, n) in enumerate(parsed["tensors"]):
+        if i not in where:
+            raise ValueError(f"tensor {i} of rank {rank}'s snapshot is not in its skeleton")
+        paths = tuple(p for p, _ in where[i])
+        fqn, key = ".".join(paths[0]), private_key(rank, i)
+        dt = getattr(torch, dtype)
+        tensor = torch.frombuffer(raw[offset: offset + n], dtype=dt) if n else torch.empty(0, dtype=dt)
+        tensor = tensor.reshape(shape)
+        shard = shard_of(where[i][0][1], tuple(shape), rank, world_size, fqn)
+        if shard is not None and parsed["replicated"]:
+            raise ValueError(f"{fqn} is sharded but the snapshot says its stable tensors are replicated (HSDP is "
+                             "not supported)")
+        if shard is not None and n:
+            out.chunks.append(Chunk(fqn, shard[0], shard[1], tensor, key, paths))
+        elif shard is None and rank == 0:
+            out.chunks.append(Chunk(fqn, tuple(shape), (0,) * len(shape), tensor, key, paths))
+        elif shard is None and parsed["replicated"] and parsed["stable"][i]:
+            out.shared[i] = fqn
+        else:  # this rank's own: not part of a global tensor (or an empty shard, which adds nothing to it)
+            out.chunks.append(Chunk(key, tuple(shape), (0,) * len(shape), tensor, key))
+    return out
+
+
+def tensor_paths(skeleton: Any) -> dict[int, list[tuple[Path, dict]]]:
+    """Tensor index -> every (path, node) that refers to it, in state-dict order (tied tensors: several).
+    Dict keys become strings as DCP writes them (str(k)); list and tuple items their index."""
+    found: dict[int, list[tuple[Path, dict]]] = {}
+
+    def walk(node: Any, path: Path) -> None:
+        if not isinstance(node, dict):
+            return
+        if "T" in node:
+            found.setdefault(node["T"], []).append((path, node))
+        elif "d" in node:
+            for k, v in node["d"]:
+                walk(v, path + (k if isinstance(k, str) else str(k) if isinstance(k, int) else json.dumps(k),))
+        else:
+            for j, v in enumerate(node["l"] if "l" in node else node["t"]):
+                walk(v, path + (str(j),))
+
+    walk(skeleton, ())
+    return found
+
+
+def shard_of(node: dict, shape: tuple[int, ...], rank: int, world_size: int,
+             fqn: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(global shape, offsets) of an FSDP shard: Shard(dim) on a 1-D mesh of the whole job, laid out as
+    torch.chunk does (each rank ceil(n/W) rows, the last ones fewer or none). None for anything else
+    (a plain tensor, or a Replicate placement, which holds the whole tensor)."""
+    sharded = node.get("D")
+    if sharded is None:
+        return None
+    if len(sharded["placements"]) != 1:
+        raise ValueError(f"{fqn} is sharded over a {len(sharded['placements'])}-D mesh; the disk tier writes "
+                         "shards of a 1-D mesh over the whole job only")
+    dim = sharded["placements"][0]
+    if dim == "R":
+        return None
+    full = tuple(sharded["shape"])
+    size = -(-full[dim] // world_size)
+    start = min(rank * size, full[dim])
+    expected = full[:dim] + (min(size, full[dim] - start),) + full[dim + 1:]
+    if shape != expected:
+        raise ValueError(f"{fqn}: rank {rank}'s shard has shape {list(shape)}, {list(expected)} expected for "
+                         f"Shard({dim}) of {list(full)} over {world_size} ranks")
+    return full, tuple(start if d == dim else 0 for d in range(len(full)))
+
+
+def stable_shapes(meta: dict[str, Any]) -> dict[str, list[int]]:
+    """Global fqn -> global shape of every stable tensor (parameters, optimizer state) of a parsed snapshot
+    metadata; tied tensors under each of their names."""
+    shapes: dict[str, list[int]] = {}
+    for i, paths in tensor_paths(meta["skeleton"]).items():
+        if meta["stable"][i]:
+            sharded = paths[0][1].get("D")
+            shape = sharded["shape"] if sharded is not None else meta["tensors"][i][1]
+            for path, _ in paths:
+                shapes[".".join(path)] = list(shape)
+    return shapes
