@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,10 +209,11 @@ class JobConfig:
         --spare-wait more, while the coordinator may be waiting for a spare node to join."""
         return self.collective_timeout_s + self.spare_wait_s
 
-    def identity(self) -> dict[str, object]:
-        """What a checkpoint of this job records of it, and a job that resumes from it must share (deadpool/disk):
-        the world size, the seed and the script (its arguments may differ: more steps, another log interval)."""
-        return {"world_size": self.workers, "seed": self.seed, "script": Path(self.script).name}
+    def config_hash(self) -> str:
+        """What a checkpoint of this job records of its config, and a job that resumes from it must share
+        (deadpool/disk.Identity): the seed and the script, not its arguments (more steps, another log interval)."""
+        shared = json.dumps({"seed": self.seed, "script": Path(self.script).name})
+        return hashlib.sha256(shared.encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .conftest import REPO, SMALL, TRAIN, Background, run_job
+from .conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, run_job
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -92,8 +92,10 @@ def test_a_lost_coordinator_leaves_a_checkpoint_that_resume_completes(tmp_path, 
 
 def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_path, reference):
     """Memory first, disk second, in one recovery: rank 1 and the spare holding its replica die together; the
-    other spare takes rank 1, every rank restores the newest checkpoint, survivors keep their processes."""
-    job = Background(tmp_path / "run", spares=2, persist_dir=str(tmp_path / "ckpt"), persist_every=2)
+    other spare takes rank 1 from the newest checkpoint, every rank rolls back to that step (the survivors from
+    their own slots where they still hold it), and the survivors keep their processes."""
+    job = Background(tmp_path / "run", spares=2, persist_dir=str(tmp_path / "ckpt"), persist_every=2,
+                     script=SCRIPTS / "slow_steps.py", script_prefix=("0.4",))  # time to act after a checkpoint
     job.wait_for(lambda e: e["event"] == "checkpoint_persisted" and e["step"] >= 2)
     plan = [e for e in job.events() if e["event"] == "plan_published"][-1]
     [holder] = plan["holders"][1]
@@ -104,7 +106,9 @@ def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_pat
     assert done.code == 0, done.summary["error"]
     [decided] = done.named("restore_decided")
     assert decided["from_disk"] and "from disk" in decided["reason"]
-    assert len(done.named("restored_from_disk")) == 4  # every rank, the survivors too
+    step = decided["target"]
+    assert [e["proc"] for e in done.named("restored_from_disk")] == ["s0"]  # the taker: no copy was left in memory
+    assert sorted(e["restored_step"] for e in done.named("recovered")) == [step] * 4  # survivors: their own slot
     spawned = {e["proc"]: e["pid"] for e in done.named("process_spawned")}
     assert sorted(spawned) == ["s0", "s1", "w0", "w1", "w2", "w3"]  # nobody was restarted
     finished = {e["rank"]: e["pid"] for e in done.named("finished")}

@@ -226,7 +226,7 @@ def plan_after_failures(steady: Plan, generation: int, lost: frozenset[str],
         taker = next((h for h in live if h in pool), pool[0])
         pool.remove(taker)
         ranks[rank] = taker
-        sources[rank] = None if taker in live else live[0]
+        sources[rank] = live[0] if live and taker not in live else None  # no live holder: it restores from disk
         moves.append(f"{taker} takes rank {rank}" + ("" if sources[rank] is None else f" (from {live[0]}'s replica)"))
     lost_spares = [s for s in steady.spares if s in lost]
     if dead:

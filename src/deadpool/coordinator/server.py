@@ -200,8 +200,7 @@ class Coordinator:
 
         start = time.monotonic()
         try:
-            path = finalize(Path(self.config.persist_dir), effect.step, self.config.workers,
-                            self.config.identity(), self.config.keep)
+            path = finalize(Path(self.config.persist_dir), effect.step, self.config.workers, None, self.config.keep)
         except Exception as error:  # a full disk, a part gone: the job goes on, the next checkpoint may succeed
             path, why = None, f"{type(error).__name__}: {error}"
         else:

@@ -57,9 +57,14 @@ from deadpool.disk.write import read_part
 from deadpool.errors import CheckpointError
 
 
-def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Identity, keep: int) -> Path | None:
+def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Identity | None,
+             keep: int) -> Path | None:
     """Makes checkpoint `step` visible if its parts cover every rank, and keeps the newest `keep` complete
-    checkpoints; returns its path, or None while parts are missing."""
+    checkpoints; returns its path, or None while parts are missing. `identity` None: the one the parts carry
+    (the coordinator, and a resume that completes a dead job's checkpoint, hold no snapshot to derive it from)."""
+    identity = identity or _parts_identity(tmp_dir(root, step), step)
+    if identity is None:
+        return step_dir(root, step) if step_dir(root, step).exists() else None
     if keep < 1 or world_size != identity.world_size:
         raise ValueError(f"finalize needs keep >= 1 (got {keep}) and the identity's world size "
                          f"({identity.world_size}, got {world_size})")
@@ -92,6 +97,15 @@ def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Iden
         fsync_dir(root)
     prune(root, step, keep)
     return final
+
+
+def _parts_identity(tmp: Path, step: int) -> Identity | None:
+    """The identity of the first part of `step` that has one (a part left by another job is then skipped)."""
+    for part in sorted(tmp.glob("part-*")):
+        record = read_json(part / PART_JSON)
+        if record is not None and record.get("format") == FORMAT and record.get("step") == step:
+            return Identity.from_json(record["identity"])
+    return None
 
 
 def _choose(tmp: Path, step: int, world_size: int,

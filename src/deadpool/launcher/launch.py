@@ -24,7 +24,7 @@ from deadpool.events import EventLog
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
-from deadpool.launcher.resume import on_sigterm, resolve
+from deadpool.launcher.resume import discard_newer, on_sigterm, resolve
 from deadpool.protocol.secret import ENV_SECRET, new_secret, read_secret, write_secret
 from deadpool.protocol.store import StoreServer, Table
 from deadpool.report import summarize
@@ -116,7 +116,8 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
         raise ConfigError(devices.reason)
     skipped: list[tuple[str, str]] = []  # damaged checkpoints --resume passed over, logged once events exist
     if config.resume:
-        path, step = resolve(config, lambda p, why: skipped.append((p, why)))
+        path, step = resolve(config, lambda p, why: skipped.append((str(p), why)))
+        discard_newer(config, step)
         config = replace(config, resume=str(path))
         for p, why in skipped:
             print(f"[deadpool] skipped checkpoint {p}: {why}", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -16,10 +17,11 @@ from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
 
 
-def resolve(config: JobConfig, skipped: Callable[[str, str], None]) -> tuple[Path, int]:
+def resolve(config: JobConfig, skipped: Callable[[Path, str], None]) -> tuple[Path, int]:
     """The checkpoint `--resume` names: one checkpoint directory, or the newest intact one under a persist dir
-    (`auto`: --persist-dir). Damaged ones are skipped, each reported through `skipped(path, reason)`."""
-    from deadpool.disk import compatible, newest, verify  # torch.distributed.checkpoint: only when resuming
+    (`auto`: --persist-dir), after completing those whose parts a stopped job left (its coordinator died: the
+    ranks wrote their parts as they exited). Damaged ones are skipped, each reported through `skipped`."""
+    from deadpool.disk import finalize, listing, newest, verify  # torch.distributed.checkpoint: only to resume
 
     spec = config.resume
     if spec == "auto" and not config.persist_dir:
@@ -33,15 +35,40 @@ def resolve(config: JobConfig, skipped: Callable[[str, str], None]) -> tuple[Pat
             raise ConfigError(f"cannot resume from {root}: {reason}")
         path, manifest = root, json.loads((root / "manifest.json").read_text())
     else:
+        for step, _ in listing(root, ".tmp"):  # newest first: the first that is complete is the one to resume
+            if finalize(root, step, config.workers, None, config.keep) is not None:
+                break
         found = newest(root, on_skip=skipped)
         if found is None:
             raise ConfigError(f"--resume {spec}: no complete checkpoint in {root} (checkpoints appear there once a job "
                               "with --persist-dir has committed and written one)")
         path, manifest = found
-    misfit = compatible(manifest, config.identity())
+    misfit = misfits(manifest, config)
     if misfit is not None:
         raise ConfigError(f"cannot resume from {path}: {misfit}")
     return path, int(manifest["step"])
+
+
+def misfits(manifest: dict, config: JobConfig) -> str | None:
+    """What the launcher can tell of a checkpoint that does not fit the job (the ranks check the shapes when they
+    load it): the world size, and the config it was written under."""
+    diffs = []
+    if manifest["world_size"] != config.workers:
+        diffs.append(f"world size {manifest['world_size']} in the checkpoint, {config.workers} now (--workers)")
+    if manifest["identity"]["config_hash"] != config.config_hash():
+        diffs.append("it was written by another script or --seed")
+    return "; ".join(diffs) or None
+
+
+def discard_newer(config: JobConfig, step: int) -> None:
+    """Parts of checkpoints newer than the one a job resumes from were left by the job it replaces: they are not
+    this run's, and a part found in place would count as written."""
+    from deadpool.disk import listing
+
+    if config.persist_dir and Path(config.persist_dir).is_dir():
+        for newer, path in listing(config.persist_dir, ".tmp"):
+            if newer > step:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def resume_command(argv: list[str]) -> str:

@@ -91,12 +91,14 @@ class StepLoop:
     def _resume(self) -> None:
         """`deadpool run --resume`: this rank's state, RNGs and step counter come from the checkpoint."""
         member, path = self.member, self.member.ctx.config.resume
+        loaded = member.engine.slots[0]
         with member.progress.waiting_for("resume"):
-            step = load_from_disk(Path(path), member.rank, member.engine.slots[0])
+            step = load_from_disk(Path(path), member.rank, loaded)
         try:
             member.restore(step)
         except Exception as error:
             raise describe_misfit(path, error) from None
+        loaded.step = None  # the state is live now; its first snapshot, taken next, is the one holders get
         every = member.ctx.config.snapshot_every  # this job's interval, not the one the checkpoint's job used
         self.calibrating, self.every, self.check_next = every == "auto", 1 if every == "auto" else int(every), False
         member.ctx.events.emit("resumed_from_disk", step=step, path=path)

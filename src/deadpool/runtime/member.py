@@ -113,9 +113,11 @@ class Member:
         the newest commit it saw on. Another rank may have seen a newer commit, which this rank holds too (a step
         is committed only once every rank holds it): `--resume` finishes the newest step every rank wrote."""
         seen = self.engine.committed
-        for step in sorted(s.step for s in self.engine.slots if s.step is not None and s.trusted):
-            if seen is not None and step >= seen:
-                self.persist(step)
+        held = sorted(s.step for s in self.engine.slots if s.step is not None and s.trusted)
+        steps = [step for step in held if seen is not None and step >= seen]
+        self.ctx.events.emit("persist_on_stop", committed_seen=seen, held=held, writes=steps)
+        for step in steps:
+            self.persist(step)
 
     def slots_of(self, rank: int) -> list[Slot]:
         """The slots holding rank's snapshots in this process: its own, or a replica it holds."""

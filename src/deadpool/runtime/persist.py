@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError, ProtocolError
 from deadpool.protocol.records import PersistOrder, PersistReport
@@ -28,8 +26,8 @@ from deadpool.runtime.slots import Slot, checksum
 POLL_S = 0.1  # how often a process looks for a new order: checkpoints are minutes apart, a write takes seconds
 
 
-def copy_out(rank: int, slots: list[Slot], step: int) -> tuple[bytes, torch.Tensor]:
-    """A private copy of rank's snapshot `step` (meta, bytes), exactly as committed."""
+def copy_out(rank: int, slots: list[Slot], step: int) -> Slot:
+    """A private copy of rank's snapshot `step`, exactly as committed."""
     slot = next((s for s in slots if s.step == step), None)
     if slot is None:
         raise ProtocolError(f"snapshot {step} of rank {rank} is no longer held here (a newer one replaced it)")
@@ -37,7 +35,7 @@ def copy_out(rank: int, slots: list[Slot], step: int) -> tuple[bytes, torch.Tens
     data = slot.data.clone()
     if slot.step != step or checksum(meta, data) != crc:
         raise ProtocolError(f"snapshot {step} of rank {rank} changed while it was copied (a newer one replaced it)")
-    return meta, data
+    return Slot(buffer=data, step=step, meta=meta, nbytes=data.numel(), crc=crc, trusted=True)
 
 
 class Persister:
@@ -50,18 +48,20 @@ class Persister:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         if ctx.config.persist_dir:
+            import deadpool.disk  # noqa: F401  # now: a SIGTERM's last words may run while the interpreter exits
             self.thread = threading.Thread(target=self._run, name="deadpool-persist", daemon=True)
             self.thread.start()
 
     def write(self, step: int, ranks: list[int]) -> PersistReport:
         """Writes these ranks' snapshot `step` as this process's part of checkpoint `step`."""
-        from deadpool.disk import write_part  # torch.distributed.checkpoint: only for jobs with a disk tier
+        from deadpool.disk import Identity, write_part  # torch.distributed.checkpoint: only with a disk tier
 
-        ctx, start = self.ctx, time.monotonic()
+        ctx, config, start = self.ctx, self.ctx.config, time.monotonic()
         try:
             snapshots = {rank: copy_out(rank, self.sources(rank), step) for rank in ranks}
-            nbytes = sum(data.numel() for _, data in snapshots.values())
-            write_part(Path(ctx.config.persist_dir), step, ctx.proc, snapshots, ctx.config.identity())
+            nbytes = sum(slot.nbytes for slot in snapshots.values())
+            identity = Identity.of(snapshots[ranks[0]].meta, config.workers, config.config_hash())
+            write_part(Path(config.persist_dir), step, ctx.proc, snapshots, identity)
         except Exception as error:  # reported: the coordinator drops this checkpoint, the job goes on
             report = PersistReport(step, ctx.proc, tuple(ranks), ok=False, error=f"{type(error).__name__}: {error}")
             ctx.events.emit("persist_part_failed", step=step, ranks=ranks, error=report.error)
@@ -111,16 +111,16 @@ def load_from_disk(path: Path, rank: int, slot: Slot) -> int:
 
 def on_disk(config: JobConfig, step: int) -> bool:
     """Whether checkpoint `step` is complete in the persist dir already (nothing to write)."""
-    from deadpool.disk import checkpoint_path
+    from deadpool.disk import step_dir
 
-    return checkpoint_path(Path(config.persist_dir), step).exists()
+    return step_dir(config.persist_dir, step).exists()
 
 
 def checkpoint_of(config: JobConfig, step: int) -> Path:
     """Where checkpoint `step` is: in the persist dir, or the one this job resumed from."""
-    from deadpool.disk import checkpoint_path
+    from deadpool.disk import step_dir
 
-    path = checkpoint_path(Path(config.persist_dir), step) if config.persist_dir else None
+    path = step_dir(config.persist_dir, step) if config.persist_dir else None
     if path is not None and path.exists():
         return path
     if config.resume:

@@ -39,11 +39,17 @@ def _wait(ctx: Context, read_fd: int, last_words: Callable[[], None]) -> None:
     deadline = threading.Timer(ctx.config.stop_grace_s, os._exit, args=(EXIT_CODE,))  # bounded, whatever happens
     deadline.daemon = True
     deadline.start()
+    # Not a daemon (a thread started by a daemon is one unless told): the main thread may be ending meanwhile (its
+    # store is gone too), and an interpreter that exits waits for this thread before it runs its exit handlers.
+    threading.Thread(target=_last, args=(ctx, last_words), name="deadpool-last-words", daemon=False).start()
+
+
+def _last(ctx: Context, last_words: Callable[[], None]) -> None:
     ctx.events.emit("terminated", signal="SIGTERM")
     try:
         last_words()
     except Exception as error:  # the disk, or a snapshot that moved on: said, and the process still exits
-        print(f"[deadpool] {ctx.proc}: on SIGTERM: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        ctx.events.emit("last_words_failed", error=f"{type(error).__name__}: {error}")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_CODE)

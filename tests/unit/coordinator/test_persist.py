@@ -150,3 +150,26 @@ def test_the_end_of_the_job_finalizes_the_last_commit_the_ranks_wrote():
     s, _ = committing(s, 1, 1.0)
     s, effects = advance(s, Inputs(exits=(ExitReport("w0", 0, 1, True), ExitReport("w1", 0, 2, True))), 2.0)
     assert s.exit_code == 0 and of(effects, Finalize) == [Finalize(1, None, 0, 0.0)]
+
+
+def test_a_rank_lost_with_every_holder_is_taken_over_when_a_checkpoint_is_on_disk():
+    from deadpool.coordinator.policy import plan_after_failures
+
+    steady = Plan(0, ranks=("w0", "w1"), holders=(("s0",), ("s1",)), spares=("s0", "s1"))
+    assert plan_after_failures(steady, 0, frozenset({"w1", "s1"})).value is None  # nothing to restore it from
+    plan = plan_after_failures(steady, 0, frozenset({"w1", "s1"}), disk_step=4).value
+    assert plan.ranks == ("w0", "s0") and plan.sources == (None, None)
+    assert "every rank restores step 4 from disk" in plan.reason
+
+
+def test_when_memory_cannot_recover_every_rank_restores_the_newest_checkpoint():
+    from deadpool.coordinator.state import ExitReport, WriteTarget
+
+    s, _ = start(CONFIG)
+    s = replace(s, persisted=2)
+    s, _ = committing(s, 3, 1.0)
+    s, _ = advance(s, Inputs(exits=(ExitReport("w1", -9, 9, True),)), 2.0)
+    s, _ = advance(s, Inputs(), 2.5)  # settled: s0 takes rank 1 from its replica
+    s, effects = advance(s, Inputs(ready={0: [3], 1: []}), 3.0)  # ...but the replica turned out unusable
+    assert emitted(effects, "restore_decided")[0]["from_disk"] is True
+    assert of(effects, WriteTarget) == [WriteTarget(1, 2)]
