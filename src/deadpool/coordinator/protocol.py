@@ -168,6 +168,10 @@ class Keys:
     def node_pid(self, proc: str) -> str:
         return self._k(f"pid/{proc}")
 
+    def exited(self, proc: str) -> str:
+        """Set by a process that no launcher started as it exits (runtime/standalone.py): its exit code and pid."""
+        return self._k(f"exited/{proc}")
+
     def script_error(self, proc: str) -> str:
         return self._k(f"error/{proc}")
 
