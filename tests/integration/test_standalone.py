@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.conftest import REPO, TRAIN, run_job
+from tests.integration.conftest import REPO, SCRIPTS, TRAIN, run_job
 
 PORT = REPO / "examples" / "gpt" / "train_ddp_deadpool.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -23,12 +23,12 @@ TINY_PORT = ("--max-iters", "3", "--grad-accum", "2", "--n-layer", "1", "--n-emb
              "--block-size", "16", "--eval-interval", "2", "--eval-iters", "1")
 
 
-def run_plain(cwd: Path, *argv: str | Path) -> tuple[str, dict]:
+def run_plain(cwd: Path, *argv: str | Path, code: int = 0) -> tuple[str, dict]:
     """Runs a command with no DeadPool environment in `cwd`; returns its output and its run's summary."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEADPOOL_", "RANK", "LOCAL_", "WORLD_",
                                                                    "MASTER_", "TORCHELASTIC_"))}
     done = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert (done.returncode == 0) == (code == 0), done.stdout + done.stderr
     (run_dir,) = (cwd / "deadpool-runs").iterdir()
     return done.stdout, json.loads((run_dir / "summary.json").read_text())
 
@@ -66,3 +66,11 @@ def test_torchrun_runs_the_port_to_the_end(tmp_path: Path) -> None:
     assert [f"iter {i}: loss" in out for i in range(3)] == [True] * 3
     assert (summary["exit_code"], summary["final_step"], len(summary["rank_state_sha256"])) == (0, 3, 2)
     assert (tmp_path / "out" / "final.pt").is_file()
+
+
+def test_under_torchrun_a_failure_ends_the_job_saying_why(tmp_path: Path) -> None:
+    """No spare: rank 1's SIGKILL ends the job (torchrun stops the others too), and the summary names it."""
+    _, summary = run_plain(tmp_path, TORCHRUN, "--nproc-per-node", "2", SCRIPTS / "kill_rank_one.py", code=1)
+    assert summary["exit_code"] == 1 and summary["swaps"] == 0
+    assert summary["error"].startswith("rank 1 (w1, pid ")
+    assert "no spare is left in the pool" in summary["error"]

@@ -23,6 +23,7 @@ import atexit
 import json
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -138,9 +139,10 @@ def join() -> None:
     keys = Keys(config.token)
     client = StoreClient(config.store_host, config.store_port, read_secret(config.secret_file), CONNECT_S)
     client.set(keys.node_pid(proc), str(os.getpid()))
+    terminated = _exit_on_sigterm()
     atexit.register(_exit, lambda code: client.set(keys.exited(proc), json.dumps({"code": code,
                                                                                   "pid": os.getpid()})),
-                    hosted, config)
+                    hosted, config, terminated)
     identity = {ENV_CONFIG: str(Path(config.run_dir) / "config.json"), ENV_PROC: proc, ENV_ROLE: "worker",
                 ENV_DEVICE: "" if gpu is None else str(gpu),
                 **torchrun_env(shape.rank, shape.world_size, config.nproc_per_node, gpu)}
@@ -196,11 +198,26 @@ def _follow(shape: Shape) -> JobConfig:
     return config
 
 
-def _exit(publish: Callable[[int], None], hosted: HostedJob | None, config: JobConfig) -> None:
-    """As the process exits: tells the coordinator how (1 after an uncaught exception, which Python records
-    in sys.last_value before exit handlers run; else 0, since a `sys.exit(N)` code is not visible here),
-    and on rank 0 waits for the job to end before its control plane goes."""
-    code = 1 if getattr(sys, "last_value", None) is not None else 0
+def _exit_on_sigterm() -> list[bool]:
+    """Makes SIGTERM (torchrun's way of stopping the other ranks when one fails) exit through Python, so that
+    exit handlers run: rank 0's coordinator then ends the job and writes its summary. A script's own
+    handler stays. Returns a flag that says whether it came."""
+    came: list[bool] = []
+
+    def handler(signum: int, frame: object) -> None:
+        came.append(True)
+        raise SystemExit(128 + signum)
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, handler)
+    return came
+
+
+def _exit(publish: Callable[[int], None], hosted: HostedJob | None, config: JobConfig, terminated: list[bool]) -> None:
+    """As the process exits: tells the coordinator how (killed by SIGTERM; 1 after an uncaught exception,
+    which Python records in sys.last_value before exit handlers run; else 0, since a `sys.exit(N)` code is
+    not visible here), and on rank 0 waits for the job to end before its control plane goes."""
+    code = -signal.SIGTERM if terminated else 1 if getattr(sys, "last_value", None) is not None else 0
     try:
         publish(code)
     except ControlPlaneError:  # rank 0, and with it the job, is gone: nobody to tell
