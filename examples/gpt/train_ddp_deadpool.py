@@ -40,9 +40,9 @@ parser.add_argument("--seed", type=int, default=1337)
 args = parser.parse_args()
 
 # -- distributed set-up: torchrun says who we are ------------------------------------------------
+session = deadpool.init()  # DeadPool: under deadpool run, torchrun, or plain python (one rank)
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
-    session = deadpool.init()  # DeadPool
     ddp_rank = int(os.environ["RANK"])
     ddp_world_size = int(os.environ["WORLD_SIZE"])
     master_process = ddp_rank == 0  # evaluates, checkpoints and logs

@@ -49,7 +49,7 @@ class Standby:
             if ctx.proc not in inc.plan.spares:
                 ctx.events.emit("spare_dismissed", reason=inc.plan.reason)
                 sys.exit(0)
-            assume(ctx, inc)
+            assume(ctx, inc, gpu=None)  # no rank yet: only the generation changes
             for rank in inc.plan.sends_from(ctx.proc):
                 hand_over(ctx, inc, rank, self.held.slots.get(rank, []))
             ctx.events.emit("spare_holding", ranks=self.held.start(inc))

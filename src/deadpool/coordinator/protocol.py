@@ -31,13 +31,19 @@ CONFIG_KEY = "deadpool/job"  # the job's config as JSON, unprefixed: what an age
 ENV_DEVICE = "DEADPOOL_DEVICE"  # this process's GPU index, empty for none (coordinator/policy.place_devices)
 
 
-def torchrun_env(rank: int, world_size: int, nproc_per_node: int = 0) -> dict[str, str]:
+def torchrun_env(rank: int, world_size: int, nproc_per_node: int = 0, gpu: int | None = None) -> dict[str, str]:
     """The identity torchrun gives a process, which scripts read from the environment. On nodes of
     `nproc_per_node` processes the local rank is the place on the node (rank r runs on node r // nproc, and
     the spare that takes r over has the same place on its own node); on one machine local = global. A
-    spare starts with a placeholder rank >= world_size; deadpool.init() sets the rank it takes."""
+    spare starts with a placeholder rank >= world_size; deadpool.init() sets the rank it takes.
+
+    A process that trains on a GPU gets that GPU's index (`gpu`, as CUDA_VISIBLE_DEVICES orders them) as its
+    LOCAL_RANK instead, so that a script's `device = f"cuda:{LOCAL_RANK}"` names the GPU the process uses,
+    which for a spare that took a rank on a GPU of its own is not the failed rank's (README "Devices").
+    Workers are unaffected: worker r's GPU is its place on the node (coordinator/policy.place_devices).
+    LOCAL_WORLD_SIZE stays the number of ranks per node, so such a taker's LOCAL_RANK may exceed it."""
     local, local_world = (rank % nproc_per_node, nproc_per_node) if nproc_per_node else (rank, world_size)
-    return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world_size),
+    return {"RANK": str(rank), "LOCAL_RANK": str(local if gpu is None else gpu), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(local_world)}
 
 
@@ -161,6 +167,10 @@ class Keys:
 
     def node_pid(self, proc: str) -> str:
         return self._k(f"pid/{proc}")
+
+    def exited(self, proc: str) -> str:
+        """Set by a process that no launcher started as it exits (runtime/standalone.py): its exit code and pid."""
+        return self._k(f"exited/{proc}")
 
     def script_error(self, proc: str) -> str:
         return self._k(f"error/{proc}")

@@ -40,9 +40,15 @@ def process_env(config: JobConfig, config_path: Path, name: str, role: str, rank
         device = devices[rank % nproc if nproc else rank] if devices else None
     env = {**inherited, ENV_CONFIG: str(config_path), ENV_PROC: name, ENV_ROLE: role,
            ENV_DEVICE: "" if device is None else str(device), "PYTHONUNBUFFERED": "1",
-           **torchrun_env(rank, config.world_size, config.nproc_per_node)}
+           **torchrun_env(rank, config.world_size, config.nproc_per_node, device)}
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks on one host must not oversubscribe
     env.setdefault("PYTHONHASHSEED", str(config.seed))  # str hashes, hence set order, the same every run
+    return runtime_settings(config, env)
+
+
+def runtime_settings(config: JobConfig, env: dict[str, str]) -> dict[str, str]:
+    """`env` with the settings DeadPool's runtime reads once the process runs (so a process that no launcher
+    started can take them too: runtime/standalone.py). Values the user set win, except NCCL's error handling."""
     if config.interface:  # gloo listens where the job lives (loopback on one machine), unless the user chose
         env.setdefault("GLOO_SOCKET_IFNAME", config.interface)
     # DeadPool aborts a failed generation's communicator itself (runtime/comms.abandon_group); NCCL's watchdog

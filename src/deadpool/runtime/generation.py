@@ -71,11 +71,12 @@ class Incarnation:
         return self.keys.resumed(self.generation, self.my_rank())
 
 
-def assume(ctx: Context, inc: Incarnation) -> None:
+def assume(ctx: Context, inc: Incarnation, *, gpu: int | None) -> None:
     """Makes `inc` this process's identity: the rank and generation its events and planned faults carry, and
-    torchrun's variables (RANK, WORLD_SIZE, ...) the script reads. The only place identity changes; it is
-    called wherever a process takes up an incarnation (its first, each recovery, a spare's standby)."""
+    torchrun's variables (RANK, WORLD_SIZE, ...) the script reads, LOCAL_RANK naming `gpu`, the GPU this
+    process trains on, if any (protocol.torchrun_env). The only place identity changes; it is called
+    wherever a process takes up an incarnation (its first, each recovery, a spare's standby)."""
     ctx.events.generation = inc.generation
     ctx.events.rank = ctx.faults.rank = inc.rank
     if inc.rank is not None:
-        os.environ.update(torchrun_env(inc.rank, inc.world_size, ctx.config.nproc_per_node))
+        os.environ.update(torchrun_env(inc.rank, inc.world_size, ctx.config.nproc_per_node, gpu))

@@ -35,8 +35,9 @@ class Member:
                  persister: Persister | None = None) -> None:
         self.ctx = ctx
         self.inc = inc
-        assume(ctx, inc)
         self.backend, self.device = pick_backend(ctx.config.backend, _device_index(ctx, inc))
+        self.gpu = self.device.index if self.device.type == "cuda" else None
+        assume(ctx, inc, gpu=self.gpu)
         if self.device.type == "cuda":
             ctx.store.set(ctx.keys.device(ctx.proc), str(self.device.index))
             if ctx.config.deterministic:

@@ -44,6 +44,8 @@ class State(enum.Enum):
 class Member(Protocol):
     """What the state machine needs from the process it recovers (member.Member implements it)."""
 
+    gpu: int | None  # the GPU this process trains on, which its LOCAL_RANK names (None: the CPU)
+
     def leave(self) -> None:
         """Tears down everything of the current generation (idempotent)."""
 
@@ -105,7 +107,7 @@ class Recovery:
         inc = self.inc
         assert inc is not None
         if self.state is State.TRANSFER:
-            assume(ctx, inc)
+            assume(ctx, inc, gpu=member.gpu)
             self.state = State.REPORT if _transfer(ctx, member, inc) else State.AWAIT_PLAN
         elif self.state is State.REPORT:
             if self.failed_step is not None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from deadpool.errors import ConfigError
+from deadpool.runtime import standalone
 from deadpool.runtime.comms import DataParallel
 from deadpool.runtime.context import Context
 from deadpool.runtime.failures import report_script_errors
@@ -43,6 +44,8 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
     throwaway model like the real one, compiled, through one forward and backward at the training
     shapes (torch.compile's code is kept per model class and reused by the model built after the
     spare is called). Workers do not run it."""
+    if not standalone.launched():
+        standalone.join()  # `python train.py` or plain torchrun: a job of its own, without spares
     ctx = Context.from_environment()
     joined: list[Session] = []  # set once this process has a rank
 

@@ -2,7 +2,8 @@
 
 import json
 
-from deadpool.coordinator.protocol import Keys, Plan
+from deadpool.coordinator.policy import place_devices
+from deadpool.coordinator.protocol import Keys, Plan, torchrun_env
 
 PLAN = Plan(generation=3, ranks=("w0", "s1", "w2"), holders=(("s0",), ("s0", "s2"), ()), spares=("s0", "s2"),
             reason="w1 (rank 1) failed; spare s1 takes rank 1", fresh=((), ("s2",), ()))
@@ -105,3 +106,42 @@ def test_sources_say_who_streams_a_replica_to_its_new_owner():
     assert plan.source_of(2) == "s0" and plan.source_of(0) is None
     assert plan.sends_from("s0") == [2] and plan.sends_from("s1") == []
     assert Plan.from_json(plan.to_json()) == plan
+
+
+# ---- the device rule: LOCAL_RANK names the GPU a process uses (README "Devices") ----------------
+
+def test_without_a_gpu_local_rank_is_the_place_on_the_node():
+    assert torchrun_env(3, 4) == {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    assert torchrun_env(3, 4, nproc_per_node=2) == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                                                    "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_a_worker_gpu_is_its_place_on_the_node_so_nothing_changes_for_workers():
+    devices = place_devices(workers=4, spares=0, gpus=4).value
+    assert devices is not None
+    for rank, gpu in enumerate(devices):
+        assert torchrun_env(rank, 4, gpu=gpu) == torchrun_env(rank, 4)
+
+
+def test_a_spare_on_a_gpu_of_its_own_gets_that_gpu_as_local_rank():
+    """2 workers and 1 spare on 3 GPUs: s0 (GPU 2) takes rank 1. A script's cuda:{LOCAL_RANK} must be GPU 2,
+    where session.device is, not GPU 1, which the failed rank held (and which may be broken)."""
+    devices = place_devices(workers=2, spares=1, gpus=3).value
+    assert devices == (0, 1, 2)
+    env = torchrun_env(1, 2, gpu=devices[2])
+    assert (env["RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2", "2")
+
+
+def test_a_spare_without_a_gpu_takes_the_failed_ranks_and_its_local_rank():
+    """2 workers and 1 spare on 2 GPUs: s0 has none of its own and takes over rank 1's GPU (member._device_index),
+    so its LOCAL_RANK is rank 1's, as before the swap."""
+    devices = place_devices(workers=2, spares=1, gpus=2).value
+    assert devices == (0, 1, None)
+    assert torchrun_env(1, 2, gpu=devices[1]) == torchrun_env(1, 2)
+
+
+def test_on_a_spare_node_the_taker_local_rank_is_its_gpu_on_its_own_machine():
+    """Nodes of 2, 2 GPUs each: spare s1 (the second process of the spare node: GPU 1 there) takes rank 2,
+    whose place on its node was 0."""
+    env = torchrun_env(2, 4, nproc_per_node=2, gpu=1)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("2", "1", "4", "2")

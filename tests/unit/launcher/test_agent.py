@@ -50,3 +50,11 @@ def test_on_nodes_local_ranks_and_gpus_are_each_nodes_own():
     assert (w3["RANK"], w3["LOCAL_RANK"], w3["WORLD_SIZE"], w3["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
     assert (s1["LOCAL_RANK"], s1["LOCAL_WORLD_SIZE"]) == ("1", "2")
     assert w3["DEADPOOL_DEVICE"] == s1["DEADPOOL_DEVICE"] == "1"
+
+
+def test_a_process_with_a_gpu_has_it_as_its_local_rank():
+    """Workers' GPUs are their places; a spare on a GPU of its own has that GPU as LOCAL_RANK from the start,
+    and keeps it when it takes a rank (runtime/generation.assume)."""
+    config = replace(CONFIG, gpus_per_node=3)
+    assert [env_of(config, n, role, r)["LOCAL_RANK"] for n, role, r in
+            [("w0", "worker", 0), ("w1", "worker", 1), ("s0", "spare", 2), ("s1", "spare", 3)]] == ["0", "1", "2", "3"]

@@ -26,19 +26,19 @@ def environ(monkeypatch):
 
 def test_a_rank_takes_up_its_identity_everywhere(environ):
     ctx = fake_ctx()
-    assume(ctx, Incarnation.of(PLAN, "s0", Keys("token")))  # a spare that took rank 1
+    assume(ctx, Incarnation.of(PLAN, "s0", Keys("token")), gpu=None)  # a spare that took rank 1
     assert (ctx.events.rank, ctx.events.generation, ctx.faults.rank) == (1, 3, 1)
     assert [environ[n] for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")] == ["1", "1", "3", "3"]
 
 
 def test_on_nodes_the_local_rank_is_the_place_on_the_node(environ):
-    assume(fake_ctx(nproc_per_node=2), Incarnation.of(PLAN, "w2", Keys("token")))
+    assume(fake_ctx(nproc_per_node=2), Incarnation.of(PLAN, "w2", Keys("token")), gpu=None)
     assert [environ[n] for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")] == ["2", "0", "3", "2"]
 
 
 def test_a_spare_without_a_rank_takes_up_only_the_generation(environ):
     ctx = fake_ctx()
-    assume(ctx, Incarnation.of(PLAN, "s1", Keys("token")))
+    assume(ctx, Incarnation.of(PLAN, "s1", Keys("token")), gpu=None)
     assert (ctx.events.rank, ctx.events.generation, ctx.faults.rank) == (None, 3, None)
     assert environ["RANK"] == "unset"
 
@@ -48,3 +48,9 @@ def test_an_incarnation_names_only_its_generations_keys():
     inc = Incarnation.of(PLAN, "w2", keys)
     assert (inc.abort_key(), inc.ready_key(), inc.resumed_key()) == (keys.abort(3), keys.ready(3, 2),
                                                                      keys.resumed(3, 2))
+
+
+def test_local_rank_names_the_gpu_the_process_trains_on(environ):
+    """A spare on GPU 2 of its own takes rank 1: `cuda:{LOCAL_RANK}` must be GPU 2 (protocol.torchrun_env)."""
+    assume(fake_ctx(), Incarnation.of(PLAN, "s0", Keys("token")), gpu=2)
+    assert [environ[n] for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")] == ["1", "2", "3", "3"]
