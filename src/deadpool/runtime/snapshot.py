@@ -69,7 +69,8 @@ class SnapshotEngine:
         self.slots = slots or [Slot(), Slot()]
         self.wait_s = 0.0            # total time the training thread waited for copies
         self.replicated = False      # data parallel: report fingerprints, which must be equal on every rank
-        self.costs: list[float] = []  # engine busy seconds per snapshot (copy + checksum + replicate)
+        self.costs: list[float] = []  # engine busy seconds per snapshot (copy and hash + replicate)
+        self.reported_bytes = 0       # host memory of the slots, as last reported (`slot_memory`)
         self.lock = threading.Lock()  # taken to reserve a slot, and to take slots away from a stopped run
         self._run: _Run | None = None
         self._stream = torch.cuda.Stream(device) if self.cuda else None
@@ -267,6 +268,7 @@ class _Run:
             self.copied.set()
             return
         reserved = time.monotonic()
+        self._report_memory()
         digest = self._copy(job, slot.data)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
                          self.engine.replicated)
@@ -315,6 +317,14 @@ class _Run:
                                   "timeout")
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
+
+    def _report_memory(self) -> None:
+        """What this rank's own slots hold in host memory, when it changes (the first snapshots size them)."""
+        slots = self.engine.slots
+        held = sum(s.buffer.numel() for s in slots)
+        if held != self.engine.reported_bytes:
+            self.engine.reported_bytes = held
+            self.ctx.events.emit("slot_memory", bytes=held, slots=len(slots), pinned=any(s.pinned for s in slots))
 
     def _report(self, store: dist.Store) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
