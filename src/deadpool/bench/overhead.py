@@ -203,15 +203,18 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     chosen = [e["every"] for e in events if e["event"] == "snapshot_interval"]
     last_step, last_end = max(step for _, step in ends), max(ends.values())
     first_measured = min(step for _, step in measured)
+    snapshots = [e for e in events if e["event"] == "snapshot" and first_measured - 1 <= e["step"] < last_step]
     return {"intervals": intervals,
             "step_s": statistics.fmean(intervals),
             "wait_fraction": sum(blocked[key] for key in measured) / sum(intervals),
             "chosen_every": chosen[0] if chosen else None,
             # DeadPool: snapshots taken in the window (a step's snapshot is taken at its end, so step
             # first_measured - 1's falls in the window); auto's interval may be longer than the window
-            "snapshots_in_window": len({e["step"] for e in events if e["event"] == "snapshot"
-                                        and first_measured - 1 <= e["step"] < last_step}),
+            "snapshots_in_window": len({e["step"] for e in snapshots}),
             "traffic": traffic(events, first_measured, last_step),
+            # a snapshot's engine time (copy and hash, send, the holder's check and ack): less skewed by
+            # other load on the machine than a difference of step times
+            "snapshot_busy_s": statistics.median(e["total_s"] for e in snapshots) if snapshots else None,
             # saves taken inside the window but written after it: their background cost is partly unmeasured
             "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items())}
 
@@ -226,9 +229,11 @@ def copy_limit(runs: list[dict[str, Any]], cost_s: float, bandwidths: Bandwidths
                        hashed=statistics.median(t.hashed for t in moved),
                        sent=statistics.median(t.sent for t in moved), hash_name=moved[0].hash_name)
     bound = copy_limit_s(per_step, bandwidths) if bandwidths else None
+    busy = [r["snapshot_busy_s"] for r in runs if r.get("snapshot_busy_s") is not None]
     return {"copied_bytes": per_step.copied, "hashed_bytes": per_step.hashed, "sent_bytes": per_step.sent,
             "hash": per_step.hash_name, "cost_s": cost_s, "bound_s": bound,
-            "multiple": cost_s / bound if bound else None}
+            "multiple": cost_s / bound if bound else None,
+            "snapshot_busy_s": statistics.median(busy) if busy else None}
 
 
 def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], ckpt_every: int,
@@ -350,7 +355,8 @@ def table(rows: list[dict[str, Any]]) -> str:
              f"{first['ranks']} ranks; mean step time over steps {first['warmup_steps'] + 1}..{first['steps']}, "
              f"median (min..max) of {first['rounds']} rounds",
              f"{'variant':>28} {'step':>10} {'ratio to off':>14} {'spread':>20} {'blocked':>8} "
-             f"{'MB copied/hashed/sent per step':>31} {'copy limit':>11} {'cost / limit':>12}"]
+             f"{'MB copied/hashed/sent per step':>31} {'copy limit':>11} {'cost / limit':>12} "
+             f"{'engine per snapshot':>19}"]
     for row in rows:
         label = row["variant"]
         if row["chosen_every"]:
@@ -379,5 +385,7 @@ def _limit_columns(limit: dict[str, Any] | None) -> str:
         return ""
     moved = "/".join(f"{limit[k] / 1e6:.0f}" for k in ("copied_bytes", "hashed_bytes", "sent_bytes"))
     bound = f"{limit['bound_s'] * 1e3:.1f} ms" if limit["bound_s"] is not None else "-"
-    multiple = f"{limit['multiple']:.1f}x" if limit["multiple"] is not None else "-"
-    return f" {moved:>31} {bound:>11} {multiple:>12}"
+    multiple = ("-" if limit["multiple"] is None else "noise" if limit["multiple"] <= 0  # slower when off
+                else f"{limit['multiple']:.1f}x")
+    busy = f"{limit['snapshot_busy_s'] * 1e3:.0f} ms" if limit["snapshot_busy_s"] is not None else "-"
+    return f" {moved:>31} {bound:>11} {multiple:>12} {busy:>19}"

@@ -27,7 +27,7 @@ def test_snapshots_checked_with_crc32_are_bounded_at_crc32_speed():
 
 def snapshot(rank: int, step: int, nbytes: int, holders: list[str], **fields) -> dict:
     return {"event": "snapshot", "rank": rank, "step": step, "t": step + 0.1, "bytes": nbytes,
-            "holders": holders, **fields}
+            "holders": holders, "total_s": 0.25, **fields}
 
 
 def test_bytes_per_step_count_every_rank_and_holder_in_the_window():
@@ -60,6 +60,17 @@ def test_rows_state_bytes_bound_and_the_cost_as_a_multiple_of_it():
     text = table([{"size": "1M", "params": 1, "batch_size": 8, "ranks": 1, "steps": 10, "warmup_steps": 5, **r}
                   for r in rows.values()])
     assert "1/2/1" in text and f"{bound * 1e3:.1f} ms" in text and f"{0.1 / bound:.1f}x" in text
+    assert limit["snapshot_busy_s"] == 0.25 and "250 ms" in text
+
+
+def test_a_cost_below_zero_is_called_noise_not_a_multiple():
+    off = [step(0, s, 1.2 * s) for s in range(1, 11)]  # snapshots off ran slower: other load on the machine
+    every = [step(0, s, 1.0 * s) for s in range(1, 11)] + [snapshot(0, s, 10**6, ["s0"]) for s in range(1, 11)]
+    variants = [VARIANTS["deadpool-off"], VARIANTS["deadpool-every-1"]]
+    rounds = {"deadpool-off": [measure(off, warmup=5)], "deadpool-every-1": [measure(every, warmup=5)]}
+    rows = [{"size": "1M", "params": 1, "batch_size": 8, "ranks": 1, "steps": 10, "warmup_steps": 5, **r}
+            for r in summarize(variants, rounds, ckpt_every=5, bandwidths=MACHINE)]
+    assert rows[1]["copy_limit"]["multiple"] < 0 and " noise " in table(rows)
 
 
 def test_loopback_moves_the_bytes_and_reports_a_rate():
