@@ -1,8 +1,10 @@
-"""Computes a run's summary (swaps, per-phase recovery timings, final loss and state hash) from its events."""
+"""Computes a run's summary (swaps, per-phase recovery timings, final loss and state hash, host memory,
+the snapshot interval) from its events."""
 
 from __future__ import annotations
 
 import hashlib
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,44 @@ def replica_memory(events: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(memory.items()))
 
 
+def host_memory(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Process -> the peak host bytes of its own snapshot slots (`slot_memory`: 2 x its snapshot), of the
+    replicas it holds (`replica_memory`, per held rank: 2 x that rank's snapshot; 0 once dropped), and of
+    both at once, and whether any of it was pinned. Each slot is one arena of exactly its snapshot's bytes."""
+    slots: dict[str, int] = {}
+    held: dict[str, dict[int, int]] = {}
+    peak: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == "slot_memory":
+            slots[e["proc"]] = e["bytes"]
+        elif e["event"] == "replica_memory":
+            held.setdefault(e["proc"], {})[e["of_rank"]] = e["bytes"]
+        else:
+            continue
+        proc = e["proc"]
+        now = {"slots_bytes": slots.get(proc, 0), "replica_bytes": sum(held.get(proc, {}).values())}
+        mine = peak.setdefault(proc, {"slots_bytes": 0, "replica_bytes": 0, "total_bytes": 0, "pinned": False})
+        for key, nbytes in (*now.items(), ("total_bytes", sum(now.values()))):
+            mine[key] = max(mine[key], nbytes)
+        mine["pinned"] = mine["pinned"] or e.get("pinned", False)
+    return dict(sorted(peak.items()))
+
+
+def snapshot_intervals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`--snapshot-every auto`: per generation, the interval the ranks agreed on and the replay it implies
+    (a failure replays up to `every` steps; seconds at the ranks' median step time)."""
+    agreed: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["event"] == "snapshot_interval":
+            agreed.setdefault(e["gen"], []).append(e)
+    out = []
+    for gen, chosen in sorted(agreed.items()):
+        every, step_s = chosen[0]["every"], statistics.median(e["step_s"] for e in chosen)
+        out.append({"generation": gen, "every": every, "step_s": step_s, "replay_steps": every,
+                    "replay_s": every * step_s})
+    return out
+
+
 def unfired_faults(faults: tuple[Fault, ...], events: list[dict[str, Any]]) -> list[str]:
     """The planned faults that never fired, each with why, as far as the events tell: a fault that silently
     did nothing would make a test or a benchmark claim what it never showed."""
@@ -116,6 +156,8 @@ def summarize(path: Path, exit_code: int, faults: tuple[Fault, ...] = ()) -> dic
         "rank_state_sha256": hashes,
         "losses": {str(r): [steps[s] for s in sorted(steps)] for r, steps in sorted(losses.items())},
         "replica_memory_bytes": replica_memory(events),
+        "memory": host_memory(events),
+        "snapshot_intervals": snapshot_intervals(events),
         "faults_not_fired": unfired_faults(faults, events),
         "pool_refills": [{"nodes": e["nodes"], "spares": e["procs"], "restored_step": e["restored_step"],
                           "took_s": e["took_s"]} for e in events if e["event"] == "pool_refilled"],

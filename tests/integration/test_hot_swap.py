@@ -130,3 +130,12 @@ def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path, refe
     snapshots = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == 0 and e["step"] > CALIBRATION_STEPS})
     assert all(step % every == 0 for step in snapshots)
     assert_same_training(job, reference)
+    [interval] = [i for i in job.summary["snapshot_intervals"] if i["generation"] == 0]
+    assert (interval["every"], interval["replay_steps"]) == (every, every) and interval["replay_s"] > 0
+    # host memory: two slots of its snapshot per worker, two per held rank at the spare (docs/benchmarks.md)
+    size = {r: max(e["bytes"] for e in job.named("snapshot") if e["rank"] == r and e["gen"] == 0) for r in range(4)}
+    memory = job.summary["memory"]
+    assert (memory["w1"]["slots_bytes"], memory["w1"]["replica_bytes"]) == (2 * size[1], 0)
+    assert memory["s0"]["replica_bytes"] == sum(2 * n for n in size.values())
+    # w0 holds rank 3's replicas after the recovery (the pool is empty): peak of both at once
+    assert memory["w0"]["total_bytes"] == 2 * size[0] + 2 * size[3]

@@ -124,7 +124,8 @@ def test_clean_run(tmp_path):
         "exit_code": 0, "error": None, "swaps": 0, "recoveries": [], "steps_replayed": 0, "final_step": 3,
         "final_loss": 3.25, "final_state_sha256": hashlib.sha256(b"a0b1").hexdigest(),
         "rank_state_sha256": ["a0", "b1"],
-        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {}, "pool_refills": [],
+        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {}, "memory": {},
+        "snapshot_intervals": [], "pool_refills": [],
         "faults_not_fired": [], "checkpoints": [], "persist_failures": [], "resumed_from": None, "stopped_by": None,
     }
 
@@ -163,6 +164,35 @@ def test_replica_memory_counts_what_each_holder_holds_under_the_last_plan(tmp_pa
         ev("replica_memory", 2.5, 1, proc="w1", of_rank=0, bytes=300),
     ])
     assert summarize(path, exit_code=0)["replica_memory_bytes"] == {"s0": 300, "w1": 300}
+
+
+def test_memory_is_each_processes_peak_of_its_own_slots_and_the_replicas_it_holds(tmp_path):
+    """w0's slots grow once (snapshot 0 precedes the optimizer's state); s0 holds ranks 0 and 1, then takes
+    rank 0 over and drops its replica (0 bytes): its peak is both replicas at once, not the sum of events."""
+    path = tmp_path / "events.jsonl"
+    write(path, [
+        ev("slot_memory", 1.0, 0, 0, proc="w0", bytes=20, slots=2, pinned=False),
+        ev("replica_memory", 1.25, 0, proc="s0", of_rank=0, bytes=20, pinned=False),
+        ev("slot_memory", 1.5, 0, 0, proc="w0", bytes=60, slots=2, pinned=False),
+        ev("replica_memory", 1.5, 0, proc="s0", of_rank=1, bytes=60, pinned=False),
+        ev("replica_memory", 1.625, 0, proc="s0", of_rank=0, bytes=60, pinned=False),
+        ev("replica_memory", 2.0, 1, proc="s0", of_rank=0, bytes=0, pinned=False),  # dropped: it took rank 0
+        ev("slot_memory", 2.5, 1, 0, proc="s0", bytes=60, slots=2, pinned=True),
+    ])
+    assert summarize(path, exit_code=0)["memory"] == {
+        "s0": {"slots_bytes": 60, "replica_bytes": 120, "total_bytes": 120, "pinned": True},
+        "w0": {"slots_bytes": 60, "replica_bytes": 0, "total_bytes": 60, "pinned": False}}
+
+
+def test_auto_reports_its_interval_and_the_replay_it_implies_per_generation(tmp_path):
+    path = tmp_path / "events.jsonl"
+    interval = dict(cost_s=0.25, budget=0.01, replay_steps=4)
+    write(path, [ev("snapshot_interval", 1.0, 0, 0, every=4, step_s=0.5, **interval),
+                 ev("snapshot_interval", 1.0, 0, 1, every=4, step_s=0.75, **interval),
+                 ev("snapshot_interval", 3.0, 2, 0, every=2, step_s=0.25, **interval)])
+    assert summarize(path, exit_code=0)["snapshot_intervals"] == [
+        {"generation": 0, "every": 4, "step_s": 0.625, "replay_steps": 4, "replay_s": 2.5},
+        {"generation": 2, "every": 2, "step_s": 0.25, "replay_steps": 2, "replay_s": 0.5}]
 
 
 def test_failed_job(tmp_path):

@@ -26,6 +26,11 @@ staging). The measured window is then a whole number of checkpoint intervals, so
 their saves at their true rate, and it opens with a save (after step 2K), whose background writing
 has the rest of the interval to finish inside the window.
 
+The copy limit (bench/limits.py): before the runs, this machine's one-core memcpy, hash and loopback
+bandwidths are measured; each snapshotting row states the bytes its snapshots copied, hashed and sent per
+step, the lower bound on the step's extra time that they imply, and its measured extra time (step time
+minus snapshots off) as a multiple of that bound.
+
 Runs interleave: per cell and round, every variant once, in an order rotated each round, so drifts of
 the machine hit every variant alike. A row gives the median over rounds and the spread (min..max of
 the per-round figures).
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
+from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, measure_bandwidths, traffic
 from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
@@ -197,21 +203,43 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     chosen = [e["every"] for e in events if e["event"] == "snapshot_interval"]
     last_step, last_end = max(step for _, step in ends), max(ends.values())
     first_measured = min(step for _, step in measured)
+    snapshots = [e for e in events if e["event"] == "snapshot" and first_measured - 1 <= e["step"] < last_step]
     return {"intervals": intervals,
             "step_s": statistics.fmean(intervals),
             "wait_fraction": sum(blocked[key] for key in measured) / sum(intervals),
             "chosen_every": chosen[0] if chosen else None,
             # DeadPool: snapshots taken in the window (a step's snapshot is taken at its end, so step
             # first_measured - 1's falls in the window); auto's interval may be longer than the window
-            "snapshots_in_window": len({e["step"] for e in events if e["event"] == "snapshot"
-                                        and first_measured - 1 <= e["step"] < last_step}),
+            "snapshots_in_window": len({e["step"] for e in snapshots}),
+            "traffic": traffic(events, first_measured, last_step),
+            # a snapshot's engine time (copy and hash, send, the holder's check and ack): less skewed by
+            # other load on the machine than a difference of step times
+            "snapshot_busy_s": statistics.median(e["total_s"] for e in snapshots) if snapshots else None,
             # saves taken inside the window but written after it: their background cost is partly unmeasured
             "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items())}
 
 
-def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]],
-              ckpt_every: int) -> list[dict[str, Any]]:
-    """One row per variant of one cell: median and spread over rounds, ratio to its own system's baseline."""
+def copy_limit(runs: list[dict[str, Any]], cost_s: float, bandwidths: Bandwidths | None) -> dict[str, Any] | None:
+    """A DeadPool row's bytes per step (median over rounds), the bound they imply on this machine
+    (limits.py), and the measured cost (step time over snapshots off) as a multiple of it."""
+    moved = [r["traffic"] for r in runs if r.get("traffic") is not None]
+    if not moved or not any(t.copied for t in moved):
+        return None
+    per_step = Traffic(copied=statistics.median(t.copied for t in moved),
+                       hashed=statistics.median(t.hashed for t in moved),
+                       sent=statistics.median(t.sent for t in moved), hash_name=moved[0].hash_name)
+    bound = copy_limit_s(per_step, bandwidths) if bandwidths else None
+    busy = [r["snapshot_busy_s"] for r in runs if r.get("snapshot_busy_s") is not None]
+    return {"copied_bytes": per_step.copied, "hashed_bytes": per_step.hashed, "sent_bytes": per_step.sent,
+            "hash": per_step.hash_name, "cost_s": cost_s, "bound_s": bound,
+            "multiple": cost_s / bound if bound else None,
+            "snapshot_busy_s": statistics.median(busy) if busy else None}
+
+
+def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], ckpt_every: int,
+              bandwidths: Bandwidths | None = None) -> list[dict[str, Any]]:
+    """One row per variant of one cell: median and spread over rounds, ratio to its own system's baseline,
+    and for DeadPool's snapshotting variants the copy limit (with this machine's bandwidths)."""
     medians = {name: statistics.median(r["step_s"] for r in runs) for name, runs in rounds.items()}
     rows = []
     for variant in variants:
@@ -227,6 +255,8 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]],
                      "chosen_every": [r["chosen_every"] for r in runs] if variant.snapshot_every == "auto" else None,
                      "saves_after_window": sum(r["saves_after_window"] for r in runs),
                      "snapshots_in_window": [r["snapshots_in_window"] for r in runs]
+                     if variant.system == "deadpool" else None,
+                     "copy_limit": copy_limit(runs, medians[variant.name] - medians[variant.baseline], bandwidths)
                      if variant.system == "deadpool" else None,
                      "rounds": len(runs)})
     return rows
@@ -291,6 +321,9 @@ def bench_overhead(args: argparse.Namespace) -> int:
     peak, available = max(deadpool_memory(params[s.name], n, args.spares) for s, n in cells), available_memory()
     print(f"DeadPool's biggest cell holds about {peak / 1e9:.1f} GB; {available / 1e9:.1f} GB available"
           + ("  -- WARNING: it may not fit" if peak > available else ""), flush=True)
+    bandwidths = measure_bandwidths()
+    (out / "bandwidths.json").write_text(json.dumps(bandwidths.to_json(), indent=2))
+    print(f"this machine, one core, best of 3 over 256 MB (other load lowers them): {bandwidths.line()}", flush=True)
     rows: list[dict[str, Any]] = []
     intervals: dict[str, dict[str, list[float]]] = {}
     started, done = time.monotonic(), 0
@@ -306,7 +339,7 @@ def bench_overhead(args: argparse.Namespace) -> int:
                       f"{rounds[variant.name][-1]['step_s'] * 1e3:.1f} ms/step", flush=True)
         cell_rows = [{"size": size.name, "params": params[size.name], "batch_size": size.batch_size, "ranks": n,
                       "steps": steps, "warmup_steps": warmup, **row}
-                     for row in summarize(variants, rounds, args.ckpt_every)]
+                     for row in summarize(variants, rounds, args.ckpt_every, bandwidths)]
         rows += cell_rows
         intervals[cell] = {v.name: [d for run in rounds[v.name] for d in run["intervals"]] for v in variants}
         (out / "overhead.json").write_text(json.dumps(rows, indent=2))  # after every cell: partial results survive
@@ -321,14 +354,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"\n{first['size']} ({first['params']:,} parameters, batch {first['batch_size']} per rank) x "
              f"{first['ranks']} ranks; mean step time over steps {first['warmup_steps'] + 1}..{first['steps']}, "
              f"median (min..max) of {first['rounds']} rounds",
-             f"{'variant':>28} {'step':>10} {'ratio to off':>14} {'spread':>20} {'blocked':>8}"]
+             f"{'variant':>28} {'step':>10} {'ratio to off':>14} {'spread':>20} {'blocked':>8} "
+             f"{'MB copied/hashed/sent per step':>31} {'copy limit':>11} {'cost / limit':>12} "
+             f"{'engine per snapshot':>19}"]
     for row in rows:
         label = row["variant"]
         if row["chosen_every"]:
             label += f" ({','.join(map(str, row['chosen_every']))})"
         spread = f"{row['min_step_s'] * 1e3:.1f}..{row['max_step_s'] * 1e3:.1f} ms"
         lines.append(f"{label:>28} {row['median_step_s'] * 1e3:>7.1f} ms {row['ratio']:>14.3f} {spread:>20} "
-                     f"{row['wait_fraction']:>8.2%}")
+                     f"{row['wait_fraction']:>8.2%}{_limit_columns(row.get('copy_limit'))}")
         if row["snapshot_every"] == "auto" and not all(row["snapshots_in_window"]):
             every = max(row["chosen_every"])
             extra = next((r["median_step_s"] - r_off["median_step_s"] for r in rows for r_off in rows
@@ -343,3 +378,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{'':>28} note: {row['saves_after_window']} async saves still writing after the last "
                          f"step: their background cost is partly unmeasured; use more --steps")
     return "\n".join(lines)
+
+
+def _limit_columns(limit: dict[str, Any] | None) -> str:
+    if limit is None:
+        return ""
+    moved = "/".join(f"{limit[k] / 1e6:.0f}" for k in ("copied_bytes", "hashed_bytes", "sent_bytes"))
+    bound = f"{limit['bound_s'] * 1e3:.1f} ms" if limit["bound_s"] is not None else "-"
+    multiple = ("-" if limit["multiple"] is None else "noise" if limit["multiple"] <= 0  # slower when off
+                else f"{limit['multiple']:.1f}x")
+    busy = f"{limit['snapshot_busy_s'] * 1e3:.0f} ms" if limit["snapshot_busy_s"] is not None else "-"
+    return f" {moved:>31} {bound:>11} {multiple:>12} {busy:>19}"

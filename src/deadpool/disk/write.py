@@ -98,7 +98,7 @@ def _rank_table(chunks: RankChunks, slot: Slot) -> dict[str, Any]:
     """part.json's entry for one rank: for each stored key its global tensor and place in it; for each
     shared tensor the fqn rank 0 stores it under (and its shape and dtype, checked against rank 0's)."""
     specs = json.loads(slot.meta)["tensors"]
-    return {"crc": slot.crc, "nbytes": slot.nbytes, "meta": meta_key(chunks.rank), "meta_bytes": len(slot.meta),
+    return {"crc": slot.digest, "nbytes": slot.nbytes, "meta": meta_key(chunks.rank), "meta_bytes": len(slot.meta),
             "chunks": {c.key: {"fqn": c.fqn, "paths": [list(p) for p in c.paths], "shape": list(c.global_shape),
                                "offsets": list(c.offsets), "dtype": str(c.tensor.dtype).removeprefix("torch.")}
                        for c in chunks.chunks},

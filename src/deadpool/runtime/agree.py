@@ -39,11 +39,14 @@ def agree_on_interval(member: Member) -> int:
                           device=member.device)
     _all_reduce_max(member, chosen, "all_reduce", "the snapshot interval agreement")
     every = int(chosen.item())
-    member.ctx.events.emit("snapshot_interval", every=every, cost_s=cost, step_s=step_s, budget=config.snapshot_budget)
+    # what the interval costs a recovery: a failure just before the next snapshot is committed replays
+    # up to `every` steps (every / 2 on average)
+    member.ctx.events.emit("snapshot_interval", every=every, cost_s=cost, step_s=step_s, budget=config.snapshot_budget,
+                           replay_steps=every, replay_s=every * step_s)
     if member.rank == 0:
         print(f"[deadpool] snapshot-every auto: a snapshot costs {cost * 1e3:.0f} ms, "
               f"a step {step_s * 1e3:.0f} ms; snapshotting every {every} steps keeps it within "
-              f"{config.snapshot_budget:.1%}",
+              f"{config.snapshot_budget:.1%}; a failure replays up to {every} steps ({every * step_s:.1f} s)",
               flush=True)
     return every
 

@@ -91,4 +91,6 @@ class Holdings:
 
     def keep_only(self, ranks: list[int]) -> None:
         """Drops the replicas of ranks this process no longer holds (their host memory goes with them)."""
+        for rank in set(self.slots) - set(ranks):
+            self.ctx.events.emit("replica_memory", of_rank=rank, bytes=0, pinned=False)
         self.slots = {rank: slots for rank, slots in self.slots.items() if rank in ranks}

@@ -31,11 +31,11 @@ def copy_out(rank: int, slots: list[Slot], step: int) -> Slot:
     slot = next((s for s in slots if s.step == step), None)
     if slot is None:
         raise ProtocolError(f"snapshot {step} of rank {rank} is no longer held here (a newer one replaced it)")
-    meta, crc = slot.meta, slot.crc
+    meta, digest = slot.meta, slot.digest
     data = slot.data.clone()
-    if slot.step != step or checksum(meta, data) != crc:
+    if slot.step != step or checksum(meta, data) != digest:
         raise ProtocolError(f"snapshot {step} of rank {rank} changed while it was copied (a newer one replaced it)")
-    return Slot(buffer=data, step=step, meta=meta, nbytes=data.numel(), crc=crc, trusted=True)
+    return Slot(buffer=data, step=step, meta=meta, nbytes=data.numel(), digest=digest, trusted=True)
 
 
 class Persister:

@@ -4,10 +4,12 @@ One group per (rank, holder, generation); the sender is group rank 0, the holder
 
     sender (worker, rank r)                  holder (spare)
     store: seq/{n} = step                    ->  wakes (idle waits are on the store: interruptible)
-    header [magic, token, gen, step, meta_len, nbytes, crc]  ->  pick the slot to overwrite
+    header [magic, token, gen, step, meta_len, nbytes, digest]  ->  pick the slot to overwrite
     meta (JSON bytes)                        ->
     data                                     ->  received into the slot's own buffer
-                                             <-  ack [step, crc, ok]   (crc recomputed by the holder)
+                                             <-  ack [step, digest, ok]  (recomputed by the holder)
+
+The digest (runtime/digest.py: xxh3_64, or CRC-32 without xxhash) travels as a signed int64.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class ReplicaSender:
     def send(self, slot: Slot, midway: Callable[[], None] = lambda: None) -> None:
         """Sends one sealed slot and checks the holder's acknowledgement of (step, checksum)."""
         assert slot.step is not None
-        header = torch.tensor([MAGIC, self.token, self.gen, slot.step, len(slot.meta), slot.nbytes, slot.crc],
+        header = torch.tensor([MAGIC, self.token, self.gen, slot.step, len(slot.meta), slot.nbytes, slot.digest],
                               dtype=torch.int64)
         meta = torch.frombuffer(bytearray(slot.meta), dtype=torch.uint8)
         self.sent += 1
@@ -68,10 +70,10 @@ class ReplicaSender:
         _wait(self.group.send([slot.data], 1, 2), self.timeout_s)
         ack = torch.zeros(3, dtype=torch.int64)
         _wait(self.group.recv([ack], 1, 3), self.timeout_s)
-        step, crc, ok = ack.tolist()
-        if (step, crc, ok) != (slot.step, slot.crc, 1):
-            raise ProtocolError(f"holder rejected snapshot {slot.step}: acked step {step}, crc {crc:#x} "
-                                f"(sent {slot.crc:#x}), ok={ok}")
+        step, digest, ok = ack.tolist()
+        if (step, digest, ok) != (slot.step, slot.digest, 1):
+            raise ProtocolError(f"holder rejected snapshot {slot.step}: acked step {step}, digest {digest:#x} "
+                                f"(sent {slot.digest:#x}), ok={ok}")
 
 
 class ReplicaReceiver:
@@ -97,7 +99,7 @@ class ReplicaReceiver:
         wait_for_key(self.store, announced, float("inf"), stopped=stopped, max_pause=0.05)
         header = torch.zeros(HEADER, dtype=torch.int64)
         _wait(self.group.recv([header], 0, 0), self.timeout_s)
-        magic, token, gen, step, meta_len, nbytes, crc = header.tolist()
+        magic, token, gen, step, meta_len, nbytes, digest = header.tolist()
         if magic != MAGIC or token != self.token or gen != self.gen:
             raise ProtocolError(f"rejected replica header: magic {magic:#x}, token ok={token == self.token}, "
                                 f"generation {gen} (expected {self.gen})")
@@ -107,13 +109,13 @@ class ReplicaReceiver:
         _wait(self.group.recv([slot.reserve(nbytes)], 0, 2), self.timeout_s)
         meta_bytes = meta.numpy().tobytes()
         got = checksum(meta_bytes, slot.data)
-        ok = int(got == crc)
+        ok = int(got == digest)
         if ok:
-            slot.seal(step, meta_bytes, crc, trusted=self.trusted)
+            slot.seal(step, meta_bytes, digest, trusted=self.trusted)
         self.writing = None
         _wait(self.group.send([torch.tensor([step, got, ok], dtype=torch.int64)], 0, 3), self.timeout_s)
         if not ok:
-            raise ChecksumMismatch(step, f"replica of snapshot {step} failed its checksum ({got:#x} != {crc:#x})")
+            raise ChecksumMismatch(step, f"replica of snapshot {step} failed its checksum ({got:#x} != {digest:#x})")
         return slot
 
 

@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import json
 import weakref
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 
+from deadpool.runtime.digest import Digest
 from deadpool.runtime.state import Layout
 
 
 def checksum(meta: bytes, data: torch.Tensor) -> int:
-    """CRC-32 over the data bytes, then the metadata (zlib releases the GIL on large buffers)."""
-    return checksums(meta, data, 0)[1]
-
-
-def checksums(meta: bytes, data: torch.Tensor, lead_nbytes: int) -> tuple[int, int]:
-    """(CRC-32 of the first `lead_nbytes` bytes, `checksum(meta, data)`) in one pass over the data:
-    a CRC continued over the rest is the CRC of the whole."""
-    raw = data.numpy().data
-    lead = zlib.crc32(raw[:lead_nbytes])
-    return lead, zlib.crc32(meta, zlib.crc32(raw[lead_nbytes:], lead))
+    """The hash (digest.py) of the data bytes, then the metadata: what a snapshot is sealed with, one pass
+    over bytes already in a slot (the hash releases the GIL on large buffers)."""
+    digest = Digest()
+    digest.update(data.numpy().data)
+    return digest.finish(meta)[1]
 
 
 def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -54,7 +49,7 @@ class Slot:
     step: int | None = None
     meta: bytes = b""
     nbytes: int = 0
-    crc: int = 0
+    digest: int = 0  # the checksum it was sealed with (digest.py), a signed int64
     trusted: bool = False
 
     def reserve(self, nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -73,12 +68,12 @@ class Slot:
     def data(self) -> torch.Tensor:
         return self.buffer[: self.nbytes]
 
-    def seal(self, step: int, meta: bytes, crc: int, trusted: bool = False) -> None:
-        self.meta, self.crc, self.step, self.trusted = meta, crc, step, trusted
+    def seal(self, step: int, meta: bytes, digest: int, trusted: bool = False) -> None:
+        self.meta, self.digest, self.step, self.trusted = meta, digest, step, trusted
 
     def intact(self) -> bool:
         """Recomputes the checksum: a slot whose bytes changed since it was sealed is never restored from."""
-        return self.step is not None and checksum(self.meta, self.data) == self.crc
+        return self.step is not None and checksum(self.meta, self.data) == self.digest
 
     def usable(self) -> bool:
         """Holds a step that may be restored: trusted, or checked now (and trusted from then on). A

@@ -5,9 +5,9 @@ Per snapshot k (training thread | this generation's engine thread):
     optimizer step k
     capture(k): take the state apart;   |
       copy small mutable parts now      |  wait for a free slot (never the newest committed step)
-    forward / backward of step k+1      |  copy stable tensors into it (side stream on GPU)
-    wait_copied()  <------------------- |  copied
-    optimizer step k+1                  |  checksum, send to holders, await their acks
+    forward / backward of step k+1      |  copy stable tensors into it and hash each chunk as it lands
+    wait_copied()  <------------------- |  copied              (one pass; on GPU: side stream, then hash)
+    optimizer step k+1                  |  seal, send to holders, await their acks
                                         |  durable: report g{g}/durable/{rank}; the coordinator commits
 
 The slots outlive generations (they hold what a recovery restores); each generation's thread, events and
@@ -29,10 +29,11 @@ import torch.distributed as dist
 from deadpool.errors import GenerationAborted, ProtocolError, SwapAborted
 from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
+from deadpool.runtime.digest import Digest, copy_hashed, hash_name
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.replica import ReplicaSender
-from deadpool.runtime.slots import Slot, checksums, free_slot, make_meta
-from deadpool.runtime.state import ALIGN, Flat, Layout, Stateful, flatten
+from deadpool.runtime.slots import Slot, free_slot, make_meta
+from deadpool.runtime.state import Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
 
 
@@ -68,7 +69,8 @@ class SnapshotEngine:
         self.slots = slots or [Slot(), Slot()]
         self.wait_s = 0.0            # total time the training thread waited for copies
         self.replicated = False      # data parallel: report fingerprints, which must be equal on every rank
-        self.costs: list[float] = []  # engine busy seconds per snapshot (copy + checksum + replicate)
+        self.costs: list[float] = []  # engine busy seconds per snapshot (copy and hash + replicate)
+        self.reported_bytes = 0       # host memory of the slots, as last reported (`slot_memory`)
         self.committed: int | None = None  # the newest commit this rank has seen: what it persists if told to stop
         self.lock = threading.Lock()  # taken to reserve a slot, and to take slots away from a stopped run
         self._run: _Run | None = None
@@ -206,7 +208,7 @@ class _Run:
         self.error: BaseException | None = None
         self.writing: Slot | None = None
         self.durable: set[int] = set()
-        self.fingerprints: dict[int, int] = {}  # step -> CRC-32 of its replicated tensors (parameters, optimizer)
+        self.fingerprints: dict[int, int] = {}  # step -> hash of its replicated tensors (parameters, optimizer)
         self.skipped: list[int] = []
         self.thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{inc.generation}", daemon=True)
         self.thread.start()
@@ -268,13 +270,13 @@ class _Run:
             self.copied.set()
             return
         reserved = time.monotonic()
-        self._copy(job, slot.data)
+        self._report_memory()
+        digest = self._copy(job, slot.data)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
                          self.engine.replicated)
+        fingerprint, whole = digest.finish(meta)
         copied = time.monotonic()
-        self.copied.set()
-        fingerprint, crc = checksums(meta, slot.data, job.layout.lead_nbytes)
-        slot.seal(job.step, meta, crc, trusted=True)
+        slot.seal(job.step, meta, whole, trusted=True)
         self.fingerprints[job.step] = fingerprint
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
@@ -283,7 +285,7 @@ class _Run:
         self._report(store)
         self.engine.costs.append(time.monotonic() - start)
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, slot_wait_s=reserved - start,
-                             copy_s=copied - reserved, pinned=slot.pinned,
+                             copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
     def _resend(self, job: _Resend, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
@@ -319,6 +321,14 @@ class _Run:
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
 
+    def _report_memory(self) -> None:
+        """What this rank's own slots hold in host memory, when it changes (the first snapshots size them)."""
+        slots = self.engine.slots
+        held = sum(s.buffer.numel() for s in slots)
+        if held != self.engine.reported_bytes:
+            self.engine.reported_bytes = held
+            self.ctx.events.emit("slot_memory", bytes=held, slots=len(slots), pinned=any(s.pinned for s in slots))
+
     def _report(self, store: dist.Store) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
         held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
@@ -326,26 +336,30 @@ class _Run:
         if self.engine.replicated:
             # a resent snapshot has none: it was compared when it was taken
             self.fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
-            report["fingerprints"] = {str(step): crc for step, crc in self.fingerprints.items()}
+            report["fingerprints"] = {str(step): fp for step, fp in self.fingerprints.items()}
         store.set(self.inc.durable_key(), json.dumps(report))
 
-    def _copy(self, job: _Job, buffer: torch.Tensor) -> None:
-        """Copies every tensor into its place in the slot; on GPU through a side stream into pinned memory."""
-        engine, half = self.engine, len(job.flat.tensors) // 2
+    def _copy(self, job: _Job, buffer: torch.Tensor) -> Digest:
+        """Copies every tensor into its place in the slot and hashes it in the same pass (digest.py); on GPU
+        through a side stream into pinned memory, hashed once it has landed. Training may go on (`copied`)
+        as soon as the last byte is in the slot: the hash of the last chunk does not hold it up."""
+        engine = self.engine
+        sources = [(tensor.reshape(-1).view(torch.uint8), offset)
+                   for tensor, (_, _, offset, n) in zip(job.flat.tensors, job.layout.specs)]
+
+        def midway() -> None:
+            self.ctx.faults.point("snapshot_copy", job.step)
+
+        def settle() -> None:
+            if engine._stream is not None:
+                engine._stream.synchronize()
+            self.copied.set()
+
         with torch.cuda.stream(engine._stream) if engine.cuda else nullcontext():
             if job.ready is not None and engine._stream is not None:
                 engine._stream.wait_event(job.ready)
-            for i, (tensor, (_, _, offset, n)) in enumerate(zip(job.flat.tensors, job.layout.specs)):
-                if i == half:
-                    self.ctx.faults.point("snapshot_copy", job.step)
-                if n:
-                    buffer[offset: offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=engine.cuda)
-                # padding is zeroed everywhere: equal on every rank in the fingerprinted region, and what the
-                # disk tier gives back (it stores tensors, not padding), so a slot read from disk has the same CRC
-                if n % ALIGN:
-                    buffer[offset + n: offset - (-n // ALIGN) * ALIGN].zero_()
-        if engine._stream is not None:
-            engine._stream.synchronize()
+            return copy_hashed(sources, buffer, job.layout.lead_nbytes, behind=not engine.cuda,
+                               non_blocking=engine.cuda, midway=midway, settle=settle)
 
     def _connect(self, holder: str, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:

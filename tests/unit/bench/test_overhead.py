@@ -74,7 +74,8 @@ def test_deadpool_wait_counts_as_blocked_and_auto_reports_its_interval():
 def test_snapshots_in_the_window_are_those_whose_cost_falls_in_it():
     """Steps 6 and 7 are measured: the snapshots of steps 5 and 6 run during them; step 7's, after the end."""
     events = [step(0, s, float(s)) for s in range(1, 8)]
-    events += [{"event": "snapshot", "rank": 0, "step": s, "t": s + 0.1} for s in (4, 5, 6, 7)]
+    events += [{"event": "snapshot", "rank": 0, "step": s, "t": s + 0.1, "bytes": 8, "holders": ["s0"], "total_s": 0.5}
+               for s in (4, 5, 6, 7)]
     assert measure(events, warmup=5)["snapshots_in_window"] == 2
     assert measure([e for e in events if e.get("step") not in (5, 6) or e["event"] == "step"],
                    warmup=5)["snapshots_in_window"] == 0

@@ -44,7 +44,7 @@ def test_round_trip_two_writers(tmp_path):
     for rank, slot in enumerate(slots):
         meta, buffer = read_rank(path, rank)
         assert meta == slot.meta and buffer.numel() == slot.nbytes
-        assert checksum(meta, buffer) == slot.crc  # every tensor, and zero padding, exactly as in the slot
+        assert checksum(meta, buffer) == slot.digest  # every tensor, and zero padding, exactly as in the slot
         assert torch.equal(buffer, slot.data)
 
 
@@ -94,7 +94,7 @@ def test_replicated_tensors_are_written_once(tmp_path):
                 if c["fqn"] != k]  # rank 1 stored only its private tensors
     for rank, slot in enumerate(slots):
         meta, buffer = read_rank(path, rank)
-        assert checksum(meta, buffer) == slot.crc
+        assert checksum(meta, buffer) == slot.digest
 
 
 def test_fsdp_shards_are_chunks_of_the_global_tensors(tmp_path):
@@ -108,7 +108,7 @@ def test_fsdp_shards_are_chunks_of_the_global_tensors(tmp_path):
         assert torch.equal(state["model"][name], tensor), name
     for rank, slot in enumerate(slots):
         meta, buffer = read_rank(path, rank)
-        assert meta == slot.meta and checksum(meta, buffer) == slot.crc
+        assert meta == slot.meta and checksum(meta, buffer) == slot.digest
     assert json.loads(path.joinpath("manifest.json").read_text())["identity"]["parallelism"] == "sharded"
 
 
@@ -128,7 +128,7 @@ def test_a_slot_with_garbage_padding_is_refused(tmp_path):
     meta = json.loads(slot.meta)
     _, _, offset, n = next(spec for spec in meta["tensors"] if spec[3] % 64)
     slot.data[offset + n] = 1
-    slot.crc = checksum(slot.meta, slot.data)
+    slot.digest = checksum(slot.meta, slot.data)
     try:
         write_part(tmp_path, 7, "s0", {0: slot}, identity(slot))
     except ValueError as error:

@@ -83,7 +83,7 @@ def test_finalize_again_is_idempotent_and_finishes_after_a_crash(tmp_path):
     assert final == step_dir(tmp_path, 8) and verify(final) is None and not tmp_dir(tmp_path, 8).exists()
     assert json.loads((final / "manifest.json").read_text())["step"] == 8
     meta, buffer = read_rank(final, 1)
-    assert checksum(meta, buffer) == slots[1].crc
+    assert checksum(meta, buffer) == slots[1].digest
 
 
 def test_a_rank_written_by_two_writers_is_used_once(tmp_path):
@@ -95,7 +95,7 @@ def test_a_rank_written_by_two_writers_is_used_once(tmp_path):
     assert sorted(p.name for p in path.glob("part-*")) == ["part-a"] and verify(path) is None
     for rank in range(2):
         meta, buffer = read_rank(path, rank)
-        assert checksum(meta, buffer) == slots[rank].crc
+        assert checksum(meta, buffer) == slots[rank].digest
 
 
 def test_keep_prunes_older_checkpoints_and_stale_tmp_dirs(tmp_path):

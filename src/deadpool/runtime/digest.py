@@ -1,0 +1,118 @@
+"""The hash that checks a slot's bytes, computed in the same pass that copies them into the slot.
+
+xxHash3 (64-bit) runs at memory speed (tens of GB/s per core), so hashing a chunk right after copying it,
+while it is still in cache, costs little more than the copy. zlib's CRC-32 (1.5-2.5 GB/s here) is the
+fallback where the `xxhash` package is missing. Both sides of a replica stream must use the same hash:
+one installation per job (a holder with the other hash rejects every replica, loudly).
+
+Values are signed 64-bit integers, so they travel in the int64 fields of a replica's header and ack.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from deadpool.runtime.state import ALIGN
+
+try:
+    import xxhash
+except ImportError:
+    xxhash = None  # type: ignore[assignment]
+
+CHUNK = 2 * 2**20  # copied, then hashed while still in cache (L2 is 1-2 MB per core, L3 a few MB more)
+
+
+class Hasher(Protocol):
+    def update(self, data: memoryview | bytes) -> None: ...
+    def intdigest(self) -> int: ...
+
+
+class Crc32:
+    """zlib's CRC-32 behind xxhash's streaming interface: the fallback."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers, as xxhash does
+
+    def intdigest(self) -> int:
+        return self.crc
+
+
+def new_hasher() -> Hasher:
+    """xxh3_64 when the package is there, CRC-32 otherwise (the one place the choice is made)."""
+    return xxhash.xxh3_64() if xxhash is not None else Crc32()
+
+
+def hash_name() -> str:
+    return "xxh3_64" if xxhash is not None else "crc32"
+
+
+def int64(value: int) -> int:
+    """An unsigned 64-bit hash as the signed int64 with the same bits (what an int64 tensor can carry)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+class Digest:
+    """One streaming pass over a slot's bytes, fed in order. The hash of the first `lead_nbytes` (the
+    data-parallel fingerprint: it must equal the other ranks') is read off on the way; the whole checksum
+    continues over the rest and then the metadata, which is what a holder computes over what it receives."""
+
+    def __init__(self, lead_nbytes: int = 0, hasher: Hasher | None = None) -> None:
+        self._hasher = hasher or new_hasher()
+        self._lead_nbytes = lead_nbytes
+        self.fed = 0
+        self.lead: int | None = int64(self._hasher.intdigest()) if lead_nbytes == 0 else None
+
+    def update(self, data: memoryview) -> None:
+        cut = self._lead_nbytes - self.fed
+        if 0 < cut < len(data):  # the lead region ends inside this piece: read its hash off at the cut
+            self.update(data[:cut])
+            data = data[cut:]
+        self._hasher.update(data)
+        self.fed += len(data)
+        if self.lead is None and self.fed == self._lead_nbytes:
+            self.lead = int64(self._hasher.intdigest())  # the state goes on: a digest does not finalize it
+
+    def finish(self, meta: bytes) -> tuple[int, int]:
+        """(lead fingerprint, whole checksum): the data must all have been fed."""
+        assert self.lead is not None, "the lead region was not fed"
+        self._hasher.update(meta)
+        return self.lead, int64(self._hasher.intdigest())
+
+
+def copy_hashed(sources: Sequence[tuple[torch.Tensor, int]], buffer: torch.Tensor, lead_nbytes: int, *,
+                behind: bool = True, non_blocking: bool = False, midway: Callable[[], None] = lambda: None,
+                settle: Callable[[], None] = lambda: None) -> Digest:
+    """Copies each (flat uint8 source, offset) into `buffer` in order of offset, in CHUNK pieces, and with
+    `behind` hashes the buffer right behind the copy, so each byte is read from memory once: the hash reads
+    what the copy just wrote, from cache. Padding is zeroed: every data-parallel rank must hash equal bytes in the
+    lead region, and the disk tier stores tensors, not padding, so a slot read back from disk hashes the same.
+
+    `midway` runs before the middle source (a fault point); `settle` once everything is copied, before the
+    rest is hashed (a device copy is synchronized there, and training may go on). Without `behind` (a copy
+    from the GPU, asynchronous) the whole buffer is hashed after `settle`."""
+    digest = Digest(lead_nbytes)
+    raw = buffer.numpy().data
+    hashed = 0
+    ordered = sorted(sources, key=lambda source: source[1])
+    for i, (source, offset) in enumerate(ordered):
+        if i == len(ordered) // 2:
+            midway()
+        n = source.numel()
+        piece = CHUNK if behind else max(n, 1)  # a device copy goes in one piece
+        for start in range(0, n, piece):
+            end = offset + min(n, start + piece)
+            buffer[offset + start: end].copy_(source[start: start + piece], non_blocking=non_blocking)
+            if behind and end - hashed >= CHUNK:
+                digest.update(raw[hashed:end])
+                hashed = end
+        if n % ALIGN:
+            buffer[offset + n: offset - (-n // ALIGN) * ALIGN].zero_()
+    settle()
+    digest.update(raw[hashed:])
+    return digest
