@@ -50,19 +50,22 @@ def agree_on_interval(member: Member) -> int:
 
 def agree_on_restore(member: Member, target: int) -> None:
     """All ranks must hold the same step and, data-parallel, bit-identical parameters (sharded, each rank's
-    own shards: those are checked against the snapshot's checksum when it is restored)."""
+    own shards: those are checked against the snapshot's checksum when it is restored). They also agree on
+    the frontier, the furthest step any of them had completed, so that every rank (a spare, which ran none)
+    sees the same steps as replays."""
     assert member.watch is not None
     crc = 0
     if isinstance(member.model, DataParallel):
         for p in member.model.module.parameters():
             crc = zlib.crc32(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
-    mine = torch.tensor([target, crc], dtype=torch.int64, device=member.device)
+    mine = torch.tensor([target, crc, member.frontier], dtype=torch.int64, device=member.device)
     everyone = [torch.zeros_like(mine) for _ in range(member.world_size)]
     with member.progress.waiting_for("agree"):
         collective(lambda: dist.all_gather(everyone, mine, async_op=True), member.watch.aborted,
                    member.ctx.config.collective_timeout_s, "the agreement on the restored state")
-    if any(not torch.equal(other, mine) for other in everyone):
-        raise ProtocolError(f"ranks disagree on the restored state: {[t.tolist() for t in everyone]}")
+    if any(not torch.equal(other[:2], mine[:2]) for other in everyone):
+        raise ProtocolError(f"ranks disagree on the restored state: {[t[:2].tolist() for t in everyone]}")
+    member.frontier = max(int(other[2]) for other in everyone)
 
 
 def _all_reduce_max(member: Member, tensor: torch.Tensor, phase: str, what: str) -> None:

@@ -40,12 +40,16 @@ class StepLoop:
         every = member.ctx.config.snapshot_every
         self.calibrating = every == "auto"
         self.every = 1 if self.calibrating else int(every)
-        self.frontier = 0  # the furthest step run: steps up to it are replays
         self.stop_requested = False  # session.stop() was called in this step
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
+
+    @property
+    def replaying(self) -> bool:
+        """The step being run (member.step + 1) was run once already, before a failure rolled it back."""
+        return self.member.step < self.member.frontier
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.member.step, "every": self.every, "calibrating": self.calibrating}
@@ -105,7 +109,7 @@ class StepLoop:
         step = member.step + 1
         self.point("step_start")
         self.stop_requested = False
-        start, waited = time.monotonic(), member.engine.wait_s
+        start, waited, replay = time.monotonic(), member.engine.wait_s, self.replaying
         loss = train_step(step)
         member.step = step
         duration = time.monotonic() - start
@@ -113,7 +117,7 @@ class StepLoop:
         member.progress.mark(step, "step_end")
         value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         member.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=member.engine.wait_s - waited,
-                               replay=step <= self.frontier)
+                               replay=replay)
         if self.every and (step % self.every == 0 or self.check_next):
             member.engine.capture(step, member.tree)
             self.check_next = False
@@ -173,11 +177,11 @@ class StepLoop:
 
     def _recover(self, cause: str) -> None:
         """Leaves the failed generation and runs the recovery state machine into the next one."""
-        member, started = self.member, time.monotonic()
+        member, started, was = self.member, time.monotonic(), self.member.step
         guard_exit()
         activated = self.recovery is not None  # a spare whose recovery began in init(): it is in the group already
         if not activated:
-            self.frontier = max(self.frontier, member.step)
+            member.frontier = max(member.frontier, member.step)
             member.ctx.events.emit("failure_seen", cause=cause, step=member.step)
             member.leave()
         recovery = self.recovery or Recovery(member.ctx, member, member.inc.generation, member.step + 1)
@@ -195,8 +199,10 @@ class StepLoop:
         _, target = done
         if activated:
             member.ctx.events.emit("spare_activated", restored_step=target)
-        print(f"[deadpool] rank {member.rank}: generation {member.inc.generation}, rolled back to step {target} "
-              f"(was at {self.frontier}) in {time.monotonic() - started:.2f} s", flush=True)
+        where = (f"took this rank over at step {target}" if activated else f"resumed at step {target}"
+                 if target == was else f"rolled back to step {target} (was at {was})")
+        print(f"[deadpool] rank {member.rank}: generation {member.inc.generation}, {where} "
+              f"in {time.monotonic() - started:.2f} s", flush=True)
 
 
 def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:

@@ -69,10 +69,14 @@ class Session:
         self.member = Member(ctx, inc, held)
         self.loop = StepLoop(self.member)
         self._registered: dict[str, Stateful] = {}
-        # Unseeded Python and NumPy generators would make every run differ; a script that seeds them after
-        # init() keeps its own seeds. torch's default generator has a fixed seed already.
-        random.seed(ctx.config.seed + self.rank)
-        np.random.seed((ctx.config.seed + self.rank) % 2**32)
+        # Unseeded generators would make every run differ (torch too: it draws a fresh seed per process), and a
+        # spare that builds random data in its set-up would get other data than the rank it replaces. Seeding
+        # here, once the rank is known (a spare's too, on activation), makes both reproducible; a script that
+        # seeds after init() keeps its own seeds.
+        seed = ctx.config.seed + self.rank
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
         report_script_errors(
             publish=lambda report: ctx.store.set(ctx.keys.script_error(ctx.proc), json.dumps(report)),
             whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation},
@@ -94,6 +98,13 @@ class Session:
     def step(self) -> int:
         """The last step completed (rolled back by a recovery)."""
         return self.member.step
+
+    @property
+    def replaying(self) -> bool:
+        """True while the step being run was run once already, before a failure rolled this job back to an
+        earlier snapshot (the same on every rank, a spare's too): a script skips logging, printing or
+        checkpointing it again."""
+        return self.loop.replaying
 
     @property
     def device(self) -> torch.device:
