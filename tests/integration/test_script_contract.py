@@ -3,6 +3,8 @@ processes: the smallest jobs of tests/integration/scripts/tiny.py (one or two wo
 
 from __future__ import annotations
 
+import pytest
+
 from deadpool.config import Fault
 
 from .conftest import SCRIPTS, Job, run_job
@@ -22,3 +24,21 @@ def test_an_unseeded_script_drawing_its_data_in_set_up_is_bit_for_bit_after_a_sw
     assert reference.code == swapped.code == 0 and swapped.summary["swaps"] == 1
     assert swapped.summary["final_state_sha256"] == reference.summary["final_state_sha256"]
     assert swapped.summary["losses"] == reference.summary["losses"]
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("outside_run", "UsageError: the model was used outside session.run(): call it only in the step function"),
+    ("register_ddp", "UsageError: 'model' is a torch DistributedDataParallel: pass the plain module to "
+                     "session.wrap instead"),
+    ("wrap_ddp", "UsageError: session.wrap got a torch DistributedDataParallel: pass the plain module to "
+                 "session.wrap instead"),
+    ("nothing_trainable", "UsageError: nothing trainable: session.run() found no model. Pass the model to "
+                          "session.wrap"),
+    ("run_twice", "UsageError: session.run() was called a second time: call it once"),
+])
+def test_a_usage_error_stops_the_job_as_the_scripts_own_naming_what_to_change(tmp_path, mistake, message):
+    job = tiny(tmp_path, "--mistake", mistake, steps=2)
+    assert job.code == 1 and job.summary["swaps"] == 0
+    assert job.summary["error"].startswith("error in the training script on rank 0 (w0) at step ")
+    assert message in job.summary["error"] and "no spare was used" in job.summary["error"]
+    assert not job.named("failure_detected") and not job.named("spare_called")

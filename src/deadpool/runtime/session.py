@@ -17,10 +17,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from deadpool.errors import ConfigError
+from deadpool.errors import ConfigError, UsageError
 from deadpool.runtime.comms import DataParallel
 from deadpool.runtime.context import Context
-from deadpool.runtime.failures import report_script_errors
+from deadpool.runtime.failures import end_quietly_after_errors, report_script_errors
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.holding import Holdings
 from deadpool.runtime.implicit import RNGState, StepVariables
@@ -69,6 +69,7 @@ class Session:
         self.member = Member(ctx, inc, held)
         self.loop = StepLoop(self.member)
         self._registered: dict[str, Stateful] = {}
+        self._ran = False
         # Unseeded generators would make every run differ (torch too: it draws a fresh seed per process), and a
         # spare that builds random data in its set-up would get other data than the rank it replaces. Seeding
         # here, once the rank is known (a spare's too, on activation), makes both reproducible; a script that
@@ -81,6 +82,7 @@ class Session:
             publish=lambda report: ctx.store.set(ctx.keys.script_error(ctx.proc), json.dumps(report)),
             whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation},
             judged=lambda error: error is self.loop.fatal)
+        end_quietly_after_errors()
 
     @property
     def rank(self) -> int:
@@ -117,6 +119,7 @@ class Session:
         A model sharded with FSDP2 (`fully_shard(model)` last, on the root) is returned as it is: FSDP
         keeps communicating itself, and DeadPool rebinds it to each new generation's group."""
         member, loop = self.member, self.loop
+        _refuse_ddp(model, "session.wrap got")
         if is_sharded(model):
             member.model = ShardedModel(model)  # each rank holds its own shards: nothing to compare across ranks
             model.register_forward_pre_hook(lambda *_: loop.point("forward"))
@@ -138,6 +141,7 @@ class Session:
         for name, obj in objects.items():
             if name in RESERVED or name in self._registered:
                 raise ConfigError(f"state name {name!r} is reserved by DeadPool or already registered; pick another")
+            _refuse_ddp(obj, f"{name!r} is")
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"{name!r} is not Stateful: it needs state_dict() and load_state_dict()")
             self._registered[name] = obj
@@ -152,15 +156,22 @@ class Session:
 
         The variables train_step rebinds with `nonlocal` or `global` (a counter, a prefetched batch) are
         part of every snapshot, like the registered objects."""
+        if self._ran:
+            raise UsageError("session.run() was called a second time: call it once, with steps= the whole run "
+                             "(a loop around it, or a second phase of training, goes inside the step function)")
+        self._ran = True
         objects = dict(self._registered)
         member = self.member
         model = member.model.module if isinstance(member.model, ShardedModel) else member.model
-        if model is not None and not any(obj is model or obj is getattr(model, "module", None)
-                                         for obj in objects.values()):
+        if model is None:
+            raise UsageError("nothing trainable: session.run() found no model. Pass the model to session.wrap "
+                             "(instead of DistributedDataParallel) before run(): DeadPool snapshots it and keeps "
+                             "the ranks' copies in step")
+        if not any(obj is model or obj is getattr(model, "module", None) for obj in objects.values()):
             objects = {"model" if "model" not in objects else "wrapped_model": model, **objects}
-        if model is not None and not member.optimizers:
-            raise ConfigError("register the optimizer before session.run(): session.register(optimizer=optimizer) "
-                              "(DeadPool snapshots while the next step runs, and must know when the weights change)")
+        if not member.optimizers:
+            raise UsageError("register the optimizer before session.run(): session.register(optimizer=optimizer) "
+                             "(DeadPool snapshots while the next step runs, and must know when the weights change)")
         variables = StepVariables(train_step)
         member.tree = {**objects, "rng": RNGState(member.device), "deadpool": self.loop, "variables": variables}
         try:
@@ -181,3 +192,12 @@ class Session:
     def log(self, event: str, **fields: Any) -> None:
         """Appends an event of the script's own to the run's events.jsonl (JSON-serialisable fields)."""
         self.ctx.events.emit(event, **fields)
+
+
+def _refuse_ddp(obj: object, what: str) -> None:
+    """torch's DDP cannot be handed to DeadPool: its process group dies with the first failure, and its hooks
+    hide the model's phases from the fault plan and the hang detector. session.wrap does its job instead."""
+    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+        raise UsageError(f"{what} a torch DistributedDataParallel: pass the plain module to session.wrap instead "
+                         "(model = session.wrap(module), without DDP(...)), which averages the gradients as DDP does "
+                         "and survives a swap")
