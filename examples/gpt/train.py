@@ -91,7 +91,7 @@ def main() -> None:
         optimizer.step()
         if args.log_samples:
             session.log("batch", step=step, samples=sample_ids)
-        if session.rank == 0 and step % args.log_every == 0:
+        if session.rank == 0 and step % args.log_every == 0 and not session.replaying:  # DeadPool: printed once
             print(f"step {step:4d} | loss {loss.item():.4f}", flush=True)
         return loss
 

@@ -42,3 +42,25 @@ def test_a_usage_error_stops_the_job_as_the_scripts_own_naming_what_to_change(tm
     assert job.summary["error"].startswith("error in the training script on rank 0 (w0) at step ")
     assert message in job.summary["error"] and "no spare was used" in job.summary["error"]
     assert not job.named("failure_detected") and not job.named("spare_called")
+
+
+def test_session_replaying_is_true_exactly_for_the_steps_run_again_after_a_swap(tmp_path):
+    """Snapshots every 4 steps, rank 1 killed in step 7: both ranks (the spare too) run the steps after the
+    restored snapshot (4, or 0 if rank 1's copy of 4 was still on its way) again, and see session.replaying
+    there only: as many steps as summary.json's steps_replayed."""
+    job = tiny(tmp_path, steps=8, workers=2, snapshot_every=4,
+               faults=(Fault(kind="kill", rank=1, step=7, phase="backward"),))
+    assert job.code == 0 and job.summary["swaps"] == 1
+    [recovery] = job.summary["recoveries"]
+    replayed = range(recovery["restored_step"] + 1, 7)
+    assert len(replayed) == job.summary["steps_replayed"] >= 2
+    seen = {(e["proc"], e["step"]) for e in job.named("replaying")}
+    assert seen == {(proc, step) for proc in ("w0", "s0") for step in replayed}
+    assert {(e["proc"], e["step"]) for e in job.named("step") if e["replay"]} == seen
+
+
+def test_a_step_function_returning_nothing_gets_its_losses_from_session_log(tmp_path):
+    job = tiny(tmp_path, "--log-loss", steps=3)
+    assert job.code == 0
+    logged = [e["loss"] for e in job.named("train")]
+    assert len(logged) == 3 and job.summary["losses"] == {"0": logged} and job.summary["final_loss"] == logged[-1]

@@ -43,6 +43,7 @@ class StepLoop:
         self.stop_requested = False  # session.stop() was called in this step
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
+        self.logged_loss: Any = None  # the last loss= the script gave session.log in this step
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
 
@@ -110,7 +111,10 @@ class StepLoop:
         self.point("step_start")
         self.stop_requested = False
         start, waited, replay = time.monotonic(), member.engine.wait_s, self.replaying
+        self.logged_loss = None
         loss = train_step(step)
+        if loss is None:  # the step function need not return its loss: session.log(loss=...) tells it too
+            loss = self.logged_loss
         member.step = step
         duration = time.monotonic() - start
         member.progress.record_step(duration)

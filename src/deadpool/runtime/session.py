@@ -152,7 +152,9 @@ class Session:
 
     def run(self, train_step: Callable[[int], Any], steps: int | None = None) -> None:
         """Calls train_step(step) for step = next..steps (or until session.stop()); returns when every step
-        is done, recovering from failures on the way. train_step may return the loss (a tensor or a float).
+        is done, recovering from failures on the way. train_step may return the loss (a tensor or a float) for
+        the step events and summary.json; if it returns None, the last `session.log(..., loss=x)` of the step
+        counts instead.
 
         The variables train_step rebinds with `nonlocal` or `global` (a counter, a prefetched batch) are
         part of every snapshot, like the registered objects."""
@@ -190,7 +192,10 @@ class Session:
         self.loop.stop_requested = True
 
     def log(self, event: str, **fields: Any) -> None:
-        """Appends an event of the script's own to the run's events.jsonl (JSON-serialisable fields)."""
+        """Appends an event of the script's own to the run's events.jsonl (JSON-serialisable fields). A `loss`
+        field is the step's loss in summary.json when the step function returns none."""
+        if "loss" in fields:
+            self.loop.logged_loss = fields["loss"]
         self.ctx.events.emit(event, **fields)
 
 

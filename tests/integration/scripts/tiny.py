@@ -2,7 +2,8 @@
 
 It never seeds torch and draws its data in its set-up (`torch.randn`), as tutorials do: a spare must draw
 the same data as the rank it replaced. It logs a `replaying` event for every step it runs while
-`session.replaying` is true. Usage: tiny.py --steps N [--mistake M] [--steps-of-rank1 N] [--counter-in-attribute]
+`session.replaying` is true. Usage: tiny.py --steps N [--mistake M] [--steps-of-rank1 N] [--log-loss]
+[--counter-in-attribute]
 """
 
 import argparse
@@ -17,6 +18,7 @@ parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--mistake", choices=("outside_run", "register_ddp", "wrap_ddp", "nothing_trainable",
                                           "run_twice"))
 parser.add_argument("--steps-of-rank1", type=int, help="rank 1 runs this many steps instead")
+parser.add_argument("--log-loss", action="store_true", help="return nothing; session.log the loss instead")
 parser.add_argument("--counter-in-attribute", action="store_true",
                     help="the batch index lives in an attribute: not rolled back after a failure")
 args = parser.parse_args()
@@ -44,7 +46,7 @@ class Position:
 position = Position()
 
 
-def train_step(step: int) -> torch.Tensor:
+def train_step(step: int) -> torch.Tensor | None:
     if session.replaying:
         session.log("replaying", step=step)
     if args.counter_in_attribute:
@@ -54,6 +56,9 @@ def train_step(step: int) -> torch.Tensor:
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+    if args.log_loss:
+        session.log("train", step=step, loss=loss.item())
+        return None
     return loss
 
 
