@@ -1,10 +1,12 @@
-"""Tests for deadpool/launcher/agent.py: the environment each training process starts with."""
+"""Tests for deadpool/launcher/agent.py: the environment each training process starts with, and its output."""
 
+import io
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from deadpool.config import JobConfig
-from deadpool.launcher.agent import process_env
+from deadpool.launcher.agent import Agent, process_env
 
 CONFIG = JobConfig(script="train.py", workers=2, spares=2, run_dir="runs/x", seed=7)
 
@@ -50,3 +52,19 @@ def test_on_nodes_local_ranks_and_gpus_are_each_nodes_own():
     assert (w3["RANK"], w3["LOCAL_RANK"], w3["WORLD_SIZE"], w3["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
     assert (s1["LOCAL_RANK"], s1["LOCAL_WORLD_SIZE"]) == ("1", "2")
     assert w3["DEADPOOL_DEVICE"] == s1["DEADPOOL_DEVICE"] == "1"
+
+
+def test_an_idle_spares_output_is_held_back_in_its_log_until_it_takes_a_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import time\nprint('the banner', flush=True)\ntime.sleep(1)\nprint('training')\n")
+    echo = io.StringIO()
+    agent = Agent(JobConfig(script=str(script), workers=1, spares=1, run_dir=str(tmp_path)), tmp_path / "c.json",
+                  echo=echo)
+    agent.spawn("s0", "spare", 1)
+    log, deadline = tmp_path / "logs" / "s0.log", time.monotonic() + 30
+    while not (log.exists() and "the banner" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert echo.getvalue() == ""  # in the log, not on the console
+    agent.relabel("s0", "s0=r0")
+    agent.stop_all(grace_s=30)
+    assert echo.getvalue() == "[s0=r0] the banner\n[s0=r0] training\n"
