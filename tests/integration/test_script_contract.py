@@ -64,3 +64,12 @@ def test_a_step_function_returning_nothing_gets_its_losses_from_session_log(tmp_
     assert job.code == 0
     logged = [e["loss"] for e in job.named("train")]
     assert len(logged) == 3 and job.summary["losses"] == {"0": logged} and job.summary["final_loss"] == logged[-1]
+
+
+def test_ranks_given_different_steps_stop_the_job_naming_the_disagreement_and_no_rank_is_fenced(tmp_path):
+    job = tiny(tmp_path, "--steps-of-rank1", "5", steps=3, workers=2)
+    assert job.code == 1 and job.summary["swaps"] == 0
+    assert ("raised UsageError: the ranks disagree on the steps to run: session.run(steps=...) is 3 on some ranks "
+            "and 5 on others") in job.summary["error"]
+    assert job.summary["final_step"] == 1  # found at the end of step 1, before any rank ran on alone
+    assert not job.named("hang_detected") and not job.named("failure_detected") and not job.named("spare_called")

@@ -1,7 +1,8 @@
 """The decisions every rank takes together, each one small collective of DeadPool's own.
 
-To stop after a step (session.stop() on any rank), how often to snapshot (`auto`), and that a recovery
-restored the same state everywhere. A failure in one is a peer's (PeerFailure)."""
+To stop after a step (session.stop() on any rank, or the run's last step, which every rank must agree on),
+how often to snapshot (`auto`), and that a recovery restored the same state everywhere. A failure in one
+is a peer's (PeerFailure)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,34 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from deadpool.errors import ProtocolError
+from deadpool.errors import ProtocolError, UsageError
 from deadpool.runtime.comms import DataParallel, collective
 
 if TYPE_CHECKING:
     from deadpool.runtime.member import Member
 
 
-def agree_to_stop(member: Member, requested: bool) -> bool:
-    """True on every rank if any rank called stop() in this step (one small all-reduce per step)."""
-    flag = torch.tensor([int(requested)], dtype=torch.int64, device=member.device)
-    _all_reduce_max(member, flag, "stop", "the stop agreement")
-    return bool(flag.item())
+UNLIMITED = 2**62  # session.run(steps=None): until session.stop()
+
+
+def agree_to_stop(member: Member, requested: bool, steps: int | None) -> bool:
+    """True on every rank if any rank called stop() in this step (one small all-reduce per step).
+
+    The same all-reduce checks that every rank runs to the same `steps` (its maximum and minimum): a rank
+    that ended earlier than its peers would leave them waiting on it, and the rank that waited would be
+    taken for hung. A UsageError names the disagreement instead, on every rank at the first step."""
+    limit = UNLIMITED if steps is None else steps
+    flags = torch.tensor([int(requested), limit, -limit], dtype=torch.int64, device=member.device)
+    _all_reduce_max(member, flags, "stop", "the stop agreement")
+    most, fewest = int(flags[1]), -int(flags[2])
+    if most != fewest:
+        def said(n: int) -> str:
+            return "None (until session.stop())" if n == UNLIMITED else str(n)
+        raise UsageError(f"the ranks disagree on the steps to run: session.run(steps=...) is {said(fewest)} on "
+                         f"some ranks and {said(most)} on others (rank {member.rank}: {said(limit)}). Give every "
+                         "rank the same steps; a spare runs the script's set-up when it takes a rank, so steps "
+                         "computed from the script's own files (a resumed checkpoint) may differ there")
+    return bool(flags[0].item())
 
 
 def agree_on_interval(member: Member) -> int:

@@ -40,6 +40,7 @@ class StepLoop:
         every = member.ctx.config.snapshot_every
         self.calibrating = every == "auto"
         self.every = 1 if self.calibrating else int(every)
+        self.steps: int | None = None  # session.run(steps=...): the ranks must agree on it
         self.stop_requested = False  # session.stop() was called in this step
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
@@ -65,6 +66,7 @@ class StepLoop:
     def run(self, train_step: Callable[[int], Any], steps: int | None) -> None:
         """Runs steps until `steps` or an agreed stop, recovering from failures on the way."""
         _count_compilation_as_waiting(self.member.progress, self.member.ctx.events)
+        self.steps = steps
         cause = "activated as a spare" if self.recovery is not None else self._attempt(self._begin)
         while cause or not (self.stopped or (steps is not None and self.member.step >= steps)):
             if cause:
@@ -127,7 +129,7 @@ class StepLoop:
             self.check_next = False
         if self.calibrating and step >= CALIBRATION_STEPS:
             self.every, self.calibrating = agree_on_interval(member), False
-        self.stopped = agree_to_stop(member, self.stop_requested)
+        self.stopped = agree_to_stop(member, self.stop_requested, self.steps)
         if self.stopped and member.rank == 0:
             member.ctx.events.emit("stopped", step=step, reason="session.stop()")
 
