@@ -92,7 +92,8 @@ class StepLoop:
     def point(self, phase: str) -> None:
         """A point of the step the coordinator sees progress at, and where a planned fault may fire."""
         self.member.progress.mark(self.member.step + 1, phase)
-        self.member.ctx.faults.point(phase, self.member.step + 1)
+        watch = self.member.watch
+        self.member.ctx.faults.point(phase, self.member.step + 1, before_stop=watch.beat_now if watch else lambda: None)
 
     def mark_backward(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
         """A forward hook: the gradient of this output is computed in the middle of backward."""
