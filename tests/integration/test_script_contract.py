@@ -73,3 +73,17 @@ def test_ranks_given_different_steps_stop_the_job_naming_the_disagreement_and_no
             "and 5 on others") in job.summary["error"]
     assert job.summary["final_step"] == 1  # found at the end of step 1, before any rank ran on alone
     assert not job.named("hang_detected") and not job.named("failure_detected") and not job.named("spare_called")
+
+
+def test_a_counter_kept_in_an_attribute_is_stopped_by_the_replay_check_naming_the_step(tmp_path):
+    """The data position lives in an attribute: the survivor's is not rolled back, so it replays the steps
+    after the restored snapshot on other batches than the first time; the job stops at the first of them."""
+    job = tiny(tmp_path, "--counter-in-attribute", steps=8, workers=2, snapshot_every=4,
+               faults=(Fault(kind="kill", rank=1, step=7, phase="backward"),))
+    assert job.code == 1
+    [recovery] = job.summary["recoveries"]
+    first = recovery["restored_step"] + 1
+    assert job.summary["error"].startswith(
+        f"error in the training script on rank 0 (w0) at step {first}: raised ReplayMismatch: step {first} replayed "
+        "on rank 0 after a failure was fed other inputs than the first time")
+    assert "a counter or data position kept in an attribute of your own object" in job.summary["error"]

@@ -25,6 +25,7 @@ from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
 from deadpool.runtime.recovery import Recovery
+from deadpool.runtime.replay import InputFingerprints
 from deadpool.runtime.state import state_sha256
 from deadpool.runtime.watch import Progress
 
@@ -45,6 +46,7 @@ class StepLoop:
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
         self.logged_loss: Any = None  # the last loss= the script gave session.log in this step
+        self.inputs = InputFingerprints()  # what the model was fed, step by step: a replay must be fed the same
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
 
@@ -115,7 +117,9 @@ class StepLoop:
         self.stop_requested = False
         start, waited, replay = time.monotonic(), member.engine.wait_s, self.replaying
         self.logged_loss = None
+        self.inputs.drop_partial()
         loss = train_step(step)
+        self.inputs.end_step(step, replay, member.rank, self.every)
         if loss is None:  # the step function need not return its loss: session.log(loss=...) tells it too
             loss = self.logged_loss
         member.step = step

@@ -122,17 +122,21 @@ class Session:
         _refuse_ddp(model, "session.wrap got")
         if is_sharded(model):
             member.model = ShardedModel(model)  # each rank holds its own shards: nothing to compare across ranks
-            model.register_forward_pre_hook(lambda *_: loop.point("forward"))
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
             member.model.middle().register_forward_hook(loop.mark_backward)
             return model
         model.to(member.device)
         member.model = DataParallel(model)
         member.engine.replicated = True  # every rank's parameters and optimizer state must stay identical
-        member.model.register_forward_pre_hook(lambda *_: loop.point("forward"))
+        member.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         params = [p for p in model.parameters() if p.requires_grad]
         if params:  # a hook midway through the parameters fires in the middle of backward
             params[len(params) // 2].register_hook(lambda grad: loop.point("backward"))
         return member.model
+
+    def _before_forward(self, _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.loop.point("forward")
+        self.loop.inputs.saw(args, kwargs)
 
     def register(self, **objects: Stateful) -> None:
         """Declares the state a snapshot holds: optimizer, scheduler, data position, anything Stateful (may be
