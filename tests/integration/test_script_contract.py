@@ -87,3 +87,15 @@ def test_a_counter_kept_in_an_attribute_is_stopped_by_the_replay_check_naming_th
         f"error in the training script on rank 0 (w0) at step {first}: raised ReplayMismatch: step {first} replayed "
         "on rank 0 after a failure was fed other inputs than the first time")
     assert "a counter or data position kept in an attribute of your own object" in job.summary["error"]
+
+
+def test_an_error_in_a_called_spares_set_up_names_the_spare_the_rank_its_step_and_that_a_spare_was_used(tmp_path):
+    job = tiny(tmp_path, "--spare-set-up-fails", steps=5, workers=2,
+               faults=(Fault(kind="kill", rank=1, step=3, phase="backward"),))
+    assert job.code == 1
+    [stopped] = job.named("script_error")
+    assert stopped["proc"] == "s0"
+    assert job.summary["error"].startswith("error in the training script on spare s0, in the script's set-up as it "
+                                           "took over rank 1 at step ")
+    assert "raised EOFError: Ran out of input" in job.summary["error"]
+    assert "a spare was used for the failure before it" in job.summary["error"]

@@ -80,7 +80,8 @@ class Session:
         torch.manual_seed(seed)
         report_script_errors(
             publish=lambda report: ctx.store.set(ctx.keys.script_error(ctx.proc), json.dumps(report)),
-            whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation},
+            whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation,
+                           "taking_over": self.loop.recovery.target if self.loop.recovery else None},
             judged=lambda error: error is self.loop.fatal)
         end_quietly_after_errors()
 

@@ -3,10 +3,11 @@
 It never seeds torch and draws its data in its set-up (`torch.randn`), as tutorials do: a spare must draw
 the same data as the rank it replaced. It logs a `replaying` event for every step it runs while
 `session.replaying` is true. Usage: tiny.py --steps N [--mistake M] [--steps-of-rank1 N] [--log-loss]
-[--counter-in-attribute]
+[--spare-set-up-fails] [--counter-in-attribute]
 """
 
 import argparse
+import os
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -18,12 +19,15 @@ parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--mistake", choices=("outside_run", "register_ddp", "wrap_ddp", "nothing_trainable",
                                           "run_twice"))
 parser.add_argument("--steps-of-rank1", type=int, help="rank 1 runs this many steps instead")
+parser.add_argument("--spare-set-up-fails", action="store_true", help="a called spare's set-up raises EOFError")
 parser.add_argument("--log-loss", action="store_true", help="return nothing; session.log the loss instead")
 parser.add_argument("--counter-in-attribute", action="store_true",
                     help="the batch index lives in an attribute: not rolled back after a failure")
 args = parser.parse_args()
 
 session = deadpool.init()
+if args.spare_set_up_fails and os.environ["DEADPOOL_ROLE"] == "spare":
+    raise EOFError("Ran out of input")  # torch.load of the script's own checkpoint, cut short by the failure
 inputs, targets = torch.randn(64, 4), torch.randn(64, 1)  # this rank's data, from torch's default generator
 module = torch.nn.Linear(4, 1)
 if args.mistake == "register_ddp":
