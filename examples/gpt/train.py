@@ -44,7 +44,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.manual_seed(args.seed)
     text = load_text(args.data)
     tokenizer = CharTokenizer(text)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
@@ -68,8 +67,9 @@ def main() -> None:
             fully_shard(block, mesh=mesh)
         return fully_shard(model.to(session.device), mesh=mesh)
 
-    # DeadPool: instead of dist.init_process_group("gloo"); seeds Python's and NumPy's RNGs
+    # DeadPool: instead of dist.init_process_group("gloo"); seeds Python's, NumPy's and torch's RNGs
     session = deadpool.init(warmup=warm_up if args.compile else None)
+    torch.manual_seed(args.seed)  # after init(), which seeds torch with --seed plus the rank: every rank alike
     # DeadPool: instead of DistributedDataParallel(GPT(config)), or of the sharded model as it is
     model = session.wrap(shard(GPT(config)) if args.parallel == "fsdp" else build())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -91,7 +91,7 @@ def main() -> None:
         optimizer.step()
         if args.log_samples:
             session.log("batch", step=step, samples=sample_ids)
-        if session.rank == 0 and step % args.log_every == 0:
+        if session.rank == 0 and step % args.log_every == 0 and not session.replaying:  # DeadPool: printed once
             print(f"step {step:4d} | loss {loss.item():.4f}", flush=True)
         return loss
 

@@ -59,7 +59,7 @@ class JobConfig:
     on_divergence: what the coordinator does when data-parallel replicas stop being bit-identical.
     replicas: how many processes hold each rank's snapshots, never on the rank's own node: spares first,
     peer workers when spares run short (coordinator/policy.place_replicas).
-    seed: seeds Python's and NumPy's global RNGs in every process (plus its rank), and PYTHONHASHSEED.
+    seed: seeds Python's, NumPy's and torch's global RNGs in every process (plus its rank), and PYTHONHASHSEED.
     nproc_per_node: 0 runs every process under the launcher itself, on this machine; R > 0 runs them on
     nodes of R processes, one agent per node (launcher/node.py): workers / R worker nodes and spares / R
     spare nodes. node_timeout_s: an agent silent this long has lost its node. netns: each node in a network

@@ -9,6 +9,12 @@ class ConfigError(DeadPoolError, ValueError):
     """The user's configuration or input is invalid; nothing was started."""
 
 
+class UsageError(ConfigError):
+    """The script used DeadPool's API in a way DeadPool cannot honour (the model used outside session.run(),
+    torch's DDP handed to it, run() called twice): the script's mistake, so a spare would meet it again. It
+    stops the job as a script error, its message naming what to change."""
+
+
 class WorkerFailure(DeadPoolError):
     """A worker process died or its collective failed, and the job could not continue."""
 

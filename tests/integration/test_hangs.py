@@ -61,3 +61,15 @@ def test_a_silent_rank_is_fenced_after_the_silence_timeout_whatever_the_step_tim
     assert (verdict["rule"], verdict["timeout_s"]) == ("silence", SILENCE_TIMEOUT_S)
     assert verdict["reason"].startswith("rank 1 silent (no heartbeat) for ")
     assert f"(silence timeout {SILENCE_TIMEOUT_S:g} s)" in verdict["reason"]
+
+
+@pytest.mark.parametrize("phase", ["step_start", "forward", "backward", "after_optimizer"])
+def test_a_hang_verdict_names_the_exact_phase_and_step_the_rank_stopped_in(tmp_path, phase):
+    """Steps of milliseconds, shorter than the heartbeat's poll: the rank publishes where it stops before
+    its SIGSTOP, so the verdict never names an older point."""
+    job = run_job(tmp_path, steps=4, workers=2, spares=1, script=SCRIPTS / "tiny.py", script_args=(),
+                  faults=(Fault(kind="hang", rank=1, step=3, phase=phase),))
+    assert job.code == 0
+    [verdict] = job.named("hang_detected")
+    assert verdict["reason"].startswith("rank 1 silent (no heartbeat) for ")
+    assert f" in {phase} of step 3 " in verdict["reason"]

@@ -132,10 +132,16 @@ def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
 def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> State:
     """A bug in the script: replaying it on a spare would raise it again, so the job stops here."""
     report, where = x.script_error, x.name
-    if report and report.rank is not None:
+    used = ", so no spare was used"
+    if report and report.taking_over is not None:
+        where = (f"spare {x.name}, in the script's set-up as it took over rank {report.rank} at step "
+                 f"{report.taking_over}")
+        used = ("; a spare was used for the failure before it, and no other is tried (a called spare runs the "
+                "script's set-up then, reading the script's own files as they are at that moment)")
+    elif report and report.rank is not None:
         where = f"rank {report.rank} ({x.name}) at step {report.step}"
     message = (f"error in the training script on {where}: {reason.removeprefix('the training script ')}. "
-               "This is a bug in the script, not a node failure, so no spare was used; the traceback is "
+               f"This is a bug in the script, not a node failure{used}; the traceback is "
                f"above (and in logs/{x.name}.log). Fix the script and run again.")
     out.append(Emit("script_error", dict(proc=x.name, rank=report.rank if report else None,
                                          step=report.step if report else None, error=reason)))

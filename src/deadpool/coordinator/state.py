@@ -111,11 +111,12 @@ class ScriptError:
     rank: int | None
     step: int | None
     error: str
+    taking_over: int | None = None  # a called spare's set-up raised: the step it was restoring for its rank
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ScriptError:
         raw = json.loads(text)
-        return cls(raw["rank"], raw["step"], raw["error"])
+        return cls(raw["rank"], raw["step"], raw["error"], raw.get("taking_over"))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
+from typing import Any, Callable
 
 from deadpool.config import Fault
 from deadpool.coordinator.protocol import Keys
@@ -31,11 +31,12 @@ class FaultInjector:
                 return fault
         return None
 
-    def point(self, phase: str, step: int) -> None:
+    def point(self, phase: str, step: int, before_stop: Callable[[], None] = lambda: None) -> None:
         """Fires the plan's fault for this rank at this exact point, if there is one: `kill` is a real,
         uncatchable SIGKILL; `kill_node` the same to this process's whole node (its agent's process group:
         the agent and every process it started); `hang` a real SIGSTOP (the process stays, silent, holding
-        its sockets); `error` an exception raised into the training script, as a bug in it would."""
+        its sockets); `error` an exception raised into the training script, as a bug in it would.
+        `before_stop` runs just before a hang's SIGSTOP (the rank publishes where it stops)."""
         if not self.faults or self.rank is None:
             return
         for kind in ("kill", "kill_node", "hang", "error"):
@@ -46,6 +47,8 @@ class FaultInjector:
                 raise InjectedError(f"injected error on rank {self.rank} in {phase} of step {step}")
             if kind == "kill_node":
                 os.killpg(os.getpgid(0), signal.SIGKILL)
+            if kind == "hang":
+                before_stop()
             os.kill(os.getpid(), signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
 
     def should_corrupt(self, rank: int, step: int) -> bool:

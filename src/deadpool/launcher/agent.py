@@ -66,6 +66,7 @@ class Child:
     popen: subprocess.Popen
     label: str
     pump: threading.Thread | None = None
+    held: list[str] | None = None  # an idle spare's output lines, kept from the console until it takes a rank
     returncode: int | None = None
     reported: bool = field(default=False)
 
@@ -78,11 +79,14 @@ class Agent:
     """Runs the training script once per process, each line of its output prefixed with who said it."""
 
     def __init__(self, config: JobConfig, config_path: Path, echo: TextIO | None = sys.stdout,
-                 prefix: str = "") -> None:
+                 prefix: str = "", hold_spares: bool = True) -> None:
         self.config = config
         self.config_path = config_path
         self.echo = echo
         self.prefix = prefix    # before each process's name in its output lines (a node agent's: "n1:")
+        # An idle spare runs the script up to deadpool.init(): its banner would read as if it trained. Its
+        # output goes to its log only until relabel() says it took a rank (a node agent is never told: it echoes).
+        self.hold_spares = hold_spares
         self.children: dict[str, Child] = {}
         self.log_dir = Path(config.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +99,8 @@ class Agent:
         popen = subprocess.Popen(command, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, errors="replace")
-        child = Child(name, role, popen, label=f"{self.prefix}{name}")
+        child = Child(name, role, popen, label=f"{self.prefix}{name}",
+                      held=[] if role == "spare" and self.hold_spares else None)
         child.pump = threading.Thread(target=self._pump, args=(child,), name=f"pump-{name}", daemon=True)
         child.pump.start()
         self.children[name] = child
@@ -107,10 +112,25 @@ class Agent:
             for line in child.popen.stdout:
                 log.write(line)
                 log.flush()
-                if self.echo is not None:
-                    with _print_lock:
-                        self.echo.write(f"[{child.label}] {line}")
-                        self.echo.flush()
+                with _print_lock:
+                    if child.held is not None:
+                        child.held.append(line)
+                    else:
+                        self._echo(child, [line])
+        if child.popen.wait() != 0:  # a spare that failed while idle: its traceback must be seen
+            self._release(child)
+
+    def _echo(self, child: Child, lines: list[str]) -> None:
+        """Called with _print_lock held."""
+        if self.echo is not None and lines:
+            self.echo.write("".join(f"[{child.label}] {line}" for line in lines))
+            self.echo.flush()
+
+    def _release(self, child: Child) -> None:
+        """Echoes a spare's held output, and what follows as it comes."""
+        with _print_lock:
+            held, child.held = child.held, None
+            self._echo(child, held or [])
 
     def poll(self) -> list[Child]:
         """Children that exited since the last call."""
@@ -129,6 +149,7 @@ class Agent:
         """Changes the prefix of a process's output lines (a spare that took a rank: "s0=r2")."""
         if name in self.children:
             self.children[name].label = f"{self.prefix}{label}"
+            self._release(self.children[name])
 
     def alive(self) -> set[str]:
         return {name for name, c in self.children.items() if c.returncode is None and c.popen.poll() is None}

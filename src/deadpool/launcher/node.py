@@ -78,7 +78,7 @@ class NodeAgent:
         config = replace(config, secret_file=str(write_secret(run.resolve() / f"secret.node{node}", secret)))
         config.write(config_path)
         self.config, self.keys = config, Keys(config.token)
-        self.local = Agent(config, config_path, prefix=f"n{node}:")  # its processes die with it
+        self.local = Agent(config, config_path, prefix=f"n{node}:", hold_spares=False)  # its processes die with it
         self.spawned = 0
 
     def run(self) -> int:

@@ -65,7 +65,7 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
     p.add_argument("--on-divergence", choices=("stop", "warn"), default="stop",
                    help="when data-parallel replicas stop being bit-identical: stop the job, or warn and go on")
     p.add_argument("--seed", type=int, default=0,
-                   help="seeds Python's and NumPy's RNGs (plus the rank) in init(), and PYTHONHASHSEED")
+                   help="seeds Python's, NumPy's and torch's RNGs (plus the rank) in init(), and PYTHONHASHSEED")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: NCCL with one GPU per worker when there are GPUs, else gloo on the CPU")
     p.add_argument("--gpus-per-node", type=int, default=None,

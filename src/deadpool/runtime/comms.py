@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 import torch.distributed as dist
 
-from deadpool.errors import CollectiveAborted, ConfigError, PeerFailure, ProtocolError
+from deadpool.errors import CollectiveAborted, ConfigError, PeerFailure, UsageError
 from deadpool.runtime.plane import PlaneStore
 
 
@@ -258,7 +258,9 @@ class DataParallel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.attached:
-            raise ProtocolError("the model was used outside session.run(): DeadPool attaches it to the process group")
+            raise UsageError("the model was used outside session.run(): call it only in the step function you "
+                             "give session.run() (a `while`/`for` loop around the model becomes that function), "
+                             "where DeadPool attaches it to the process group")
         return self.module(*args, **kwargs)
 
     def _on_grad(self, _param: torch.Tensor) -> None:

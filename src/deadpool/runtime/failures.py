@@ -14,6 +14,9 @@ The rule, by type and by where an error was raised, never by the words of its me
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -91,3 +94,31 @@ def report_script_errors(publish: Callable[[dict[str, Any]], None], whose: Calla
 
     sys.excepthook = hook
 
+
+
+def end_quietly_after_errors() -> None:
+    """Ends the process with os._exit(1) after an uncaught exception, once its traceback is printed and the
+    atexit handlers registered since ran (a script's, registered after init(), run first). The interpreter's
+    finalization would otherwise destroy process groups whose gloo threads may still hold work (a replica
+    being sent, an async collective), which aborts the process with C++'s "terminate called without an
+    active exception" after an ordinary script error (torch does not destroy its groups before
+    finalization: pytorch/pytorch#179291 was abandoned). An atexit handler, not the excepthook, ends it:
+    torch.distributed's excepthook, installed over this one by every init_process_group, prints the
+    traceback only after the hooks it wraps return."""
+    crashed: list[bool] = []
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(error, Exception):
+            crashed.append(True)
+        previous(kind, error, tb)
+
+    def leave() -> None:
+        if crashed:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = hook
+    atexit.register(leave)

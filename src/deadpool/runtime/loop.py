@@ -27,6 +27,7 @@ from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
 from deadpool.runtime.persist import describe_misfit, load_from_disk
 from deadpool.runtime.recovery import Recovery
+from deadpool.runtime.replay import InputFingerprints
 from deadpool.runtime.snapshot import read_committed
 from deadpool.runtime.state import state_sha256
 from deadpool.runtime.watch import Progress
@@ -43,12 +44,19 @@ class StepLoop:
         every = member.ctx.config.snapshot_every
         self.calibrating = every == "auto"
         self.every = 1 if self.calibrating else int(every)
-        self.frontier = 0  # the furthest step run: steps up to it are replays
+        self.steps: int | None = None  # session.run(steps=...): the ranks must agree on it
         self.stop_requested = False  # session.stop() was called in this step
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
+        self.logged_loss: Any = None  # the last loss= the script gave session.log in this step
+        self.inputs = InputFingerprints()  # what the model was fed, step by step: a replay must be fed the same
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
+
+    @property
+    def replaying(self) -> bool:
+        """The step being run (member.step + 1) was run once already, before a failure rolled it back."""
+        return self.member.step < self.member.frontier
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.member.step, "every": self.every, "calibrating": self.calibrating}
@@ -63,6 +71,7 @@ class StepLoop:
     def run(self, train_step: Callable[[int], Any], steps: int | None) -> None:
         """Runs steps until `steps` or an agreed stop, recovering from failures on the way."""
         _count_compilation_as_waiting(self.member.progress, self.member.ctx.events)
+        self.steps = steps
         cause = "activated as a spare" if self.recovery is not None else self._attempt(self._begin)
         while cause or not (self.stopped or (steps is not None and self.member.step >= steps)):
             if cause:
@@ -107,7 +116,8 @@ class StepLoop:
     def point(self, phase: str) -> None:
         """A point of the step the coordinator sees progress at, and where a planned fault may fire."""
         self.member.progress.mark(self.member.step + 1, phase)
-        self.member.ctx.faults.point(phase, self.member.step + 1)
+        watch = self.member.watch
+        self.member.ctx.faults.point(phase, self.member.step + 1, before_stop=watch.beat_now if watch else lambda: None)
 
     def mark_backward(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
         """A forward hook: the gradient of this output is computed in the middle of backward."""
@@ -127,21 +137,26 @@ class StepLoop:
         step = member.step + 1
         self.point("step_start")
         self.stop_requested = False
-        start, waited = time.monotonic(), member.engine.wait_s
+        start, waited, replay = time.monotonic(), member.engine.wait_s, self.replaying
+        self.logged_loss = None
+        self.inputs.drop_partial()
         loss = train_step(step)
+        self.inputs.end_step(step, replay, member.rank, self.every)
+        if loss is None:  # the step function need not return its loss: session.log(loss=...) tells it too
+            loss = self.logged_loss
         member.step = step
         duration = time.monotonic() - start
         member.progress.record_step(duration)
         member.progress.mark(step, "step_end")
         value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         member.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=member.engine.wait_s - waited,
-                               replay=step <= self.frontier)
+                               replay=replay)
         if self.every and (step % self.every == 0 or self.check_next):
             member.engine.capture(step, member.tree)
             self.check_next = False
         if self.calibrating and step >= CALIBRATION_STEPS:
             self.every, self.calibrating = agree_on_interval(member), False
-        self.stopped = agree_to_stop(member, self.stop_requested)
+        self.stopped = agree_to_stop(member, self.stop_requested, self.steps)
         if self.stopped and member.rank == 0:
             member.ctx.events.emit("stopped", step=step, reason="session.stop()")
 
@@ -197,11 +212,11 @@ class StepLoop:
 
     def _recover(self, cause: str) -> None:
         """Leaves the failed generation and runs the recovery state machine into the next one."""
-        member, started = self.member, time.monotonic()
+        member, started, was = self.member, time.monotonic(), self.member.step
         guard_exit()
         activated = self.recovery is not None  # a spare whose recovery began in init(): it is in the group already
         if not activated:
-            self.frontier = max(self.frontier, member.step)
+            member.frontier = max(member.frontier, member.step)
             member.ctx.events.emit("failure_seen", cause=cause, step=member.step)
             member.leave()
         recovery = self.recovery or Recovery(member.ctx, member, member.inc.generation, member.step + 1)
@@ -219,8 +234,10 @@ class StepLoop:
         _, target = done
         if activated:
             member.ctx.events.emit("spare_activated", restored_step=target)
-        print(f"[deadpool] rank {member.rank}: generation {member.inc.generation}, rolled back to step {target} "
-              f"(was at {self.frontier}) in {time.monotonic() - started:.2f} s", flush=True)
+        where = (f"took this rank over at step {target}" if activated else f"resumed at step {target}"
+                 if target == was else f"rolled back to step {target} (was at {was})")
+        print(f"[deadpool] rank {member.rank}: generation {member.inc.generation}, {where} "
+              f"in {time.monotonic() - started:.2f} s", flush=True)
 
 
 def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:

@@ -43,6 +43,7 @@ class Member:
             if ctx.config.deterministic:
                 _use_deterministic_kernels()
         self.step = 0  # the last step completed: the step loop advances it, a restore rolls it back
+        self.frontier = 0  # the furthest step any rank had completed before the last failure: up to it, replays
         self.progress = Progress()
         self.engine = SnapshotEngine(ctx, self.device)
         self.watch: Watch | None = None

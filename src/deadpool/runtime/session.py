@@ -17,11 +17,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from deadpool.errors import ConfigError
+from deadpool.errors import ConfigError, UsageError
 from deadpool.runtime import standalone
 from deadpool.runtime.comms import DataParallel
 from deadpool.runtime.context import Context
-from deadpool.runtime.failures import report_script_errors
+from deadpool.runtime.failures import end_quietly_after_errors, report_script_errors
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.holding import Holdings
 from deadpool.runtime.implicit import RNGState, StepVariables
@@ -53,7 +53,8 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
         for session in joined:
             session.member.persist_newest()
 
-    on_termination(ctx, last_words)
+    if ctx.config.persist_dir:  # else SIGTERM ends the process at once, as it always did
+        on_termination(ctx, last_words)
     ctx.store.set(ctx.keys.started(ctx.proc), "1")
     ctx.events.emit("process_start", argv=sys.argv)
     if ctx.role == "spare":
@@ -85,14 +86,21 @@ class Session:
         self.member = Member(ctx, inc, held, persister)
         self.loop = StepLoop(self.member)
         self._registered: dict[str, Stateful] = {}
-        # Unseeded Python and NumPy generators would make every run differ; a script that seeds them after
-        # init() keeps its own seeds. torch's default generator has a fixed seed already.
-        random.seed(ctx.config.seed + self.rank)
-        np.random.seed((ctx.config.seed + self.rank) % 2**32)
+        self._ran = False
+        # Unseeded generators would make every run differ (torch too: it draws a fresh seed per process), and a
+        # spare that builds random data in its set-up would get other data than the rank it replaces. Seeding
+        # here, once the rank is known (a spare's too, on activation), makes both reproducible; a script that
+        # seeds after init() keeps its own seeds.
+        seed = ctx.config.seed + self.rank
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
         report_script_errors(
             publish=lambda report: ctx.store.set(ctx.keys.script_error(ctx.proc), json.dumps(report)),
-            whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation},
+            whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation,
+                           "taking_over": self.loop.recovery.target if self.loop.recovery else None},
             judged=lambda error: error is self.loop.fatal)
+        end_quietly_after_errors()
 
     @property
     def rank(self) -> int:
@@ -112,6 +120,13 @@ class Session:
         return self.member.step
 
     @property
+    def replaying(self) -> bool:
+        """True while the step being run was run once already, before a failure rolled this job back to an
+        earlier snapshot (the same on every rank, a spare's too): a script skips logging, printing or
+        checkpointing it again."""
+        return self.loop.replaying
+
+    @property
     def device(self) -> torch.device:
         """Where this rank's model and batches live: its GPU, or the CPU."""
         return self.member.device
@@ -122,19 +137,24 @@ class Session:
         A model sharded with FSDP2 (`fully_shard(model)` last, on the root) is returned as it is: FSDP
         keeps communicating itself, and DeadPool rebinds it to each new generation's group."""
         member, loop = self.member, self.loop
+        _refuse_ddp(model, "session.wrap got")
         if is_sharded(model):
             member.model = ShardedModel(model)  # each rank holds its own shards: nothing to compare across ranks
-            model.register_forward_pre_hook(lambda *_: loop.point("forward"))
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
             member.model.middle().register_forward_hook(loop.mark_backward)
             return model
         model.to(member.device)
         member.model = DataParallel(model)
         member.engine.replicated = True  # every rank's parameters and optimizer state must stay identical
-        member.model.register_forward_pre_hook(lambda *_: loop.point("forward"))
+        member.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         params = [p for p in model.parameters() if p.requires_grad]
         if params:  # a hook midway through the parameters fires in the middle of backward
             params[len(params) // 2].register_hook(lambda grad: loop.point("backward"))
         return member.model
+
+    def _before_forward(self, _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.loop.point("forward")
+        self.loop.inputs.saw(args, kwargs)
 
     def register(self, **objects: Stateful) -> None:
         """Declares the state a snapshot holds: optimizer, scheduler, data position, anything Stateful (may be
@@ -143,6 +163,7 @@ class Session:
         for name, obj in objects.items():
             if name in RESERVED or name in self._registered:
                 raise ConfigError(f"state name {name!r} is reserved by DeadPool or already registered; pick another")
+            _refuse_ddp(obj, f"{name!r} is")
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"{name!r} is not Stateful: it needs state_dict() and load_state_dict()")
             self._registered[name] = obj
@@ -153,19 +174,28 @@ class Session:
 
     def run(self, train_step: Callable[[int], Any], steps: int | None = None) -> None:
         """Calls train_step(step) for step = next..steps (or until session.stop()); returns when every step
-        is done, recovering from failures on the way. train_step may return the loss (a tensor or a float).
+        is done, recovering from failures on the way. train_step may return the loss (a tensor or a float) for
+        the step events and summary.json; if it returns None, the last `session.log(..., loss=x)` of the step
+        counts instead.
 
         The variables train_step rebinds with `nonlocal` or `global` (a counter, a prefetched batch) are
         part of every snapshot, like the registered objects."""
+        if self._ran:
+            raise UsageError("session.run() was called a second time: call it once, with steps= the whole run "
+                             "(a loop around it, or a second phase of training, goes inside the step function)")
+        self._ran = True
         objects = dict(self._registered)
         member = self.member
         model = member.model.module if isinstance(member.model, ShardedModel) else member.model
-        if model is not None and not any(obj is model or obj is getattr(model, "module", None)
-                                         for obj in objects.values()):
+        if model is None:
+            raise UsageError("nothing trainable: session.run() found no model. Pass the model to session.wrap "
+                             "(instead of DistributedDataParallel) before run(): DeadPool snapshots it and keeps "
+                             "the ranks' copies in step")
+        if not any(obj is model or obj is getattr(model, "module", None) for obj in objects.values()):
             objects = {"model" if "model" not in objects else "wrapped_model": model, **objects}
-        if model is not None and not member.optimizers:
-            raise ConfigError("register the optimizer before session.run(): session.register(optimizer=optimizer) "
-                              "(DeadPool snapshots while the next step runs, and must know when the weights change)")
+        if not member.optimizers:
+            raise UsageError("register the optimizer before session.run(): session.register(optimizer=optimizer) "
+                             "(DeadPool snapshots while the next step runs, and must know when the weights change)")
         variables = StepVariables(train_step)
         member.tree = {**objects, "rng": RNGState(member.device), "deadpool": self.loop, "variables": variables}
         try:
@@ -184,5 +214,17 @@ class Session:
         self.loop.stop_requested = True
 
     def log(self, event: str, **fields: Any) -> None:
-        """Appends an event of the script's own to the run's events.jsonl (JSON-serialisable fields)."""
+        """Appends an event of the script's own to the run's events.jsonl (JSON-serialisable fields). A `loss`
+        field is the step's loss in summary.json when the step function returns none."""
+        if "loss" in fields:
+            self.loop.logged_loss = fields["loss"]
         self.ctx.events.emit(event, **fields)
+
+
+def _refuse_ddp(obj: object, what: str) -> None:
+    """torch's DDP cannot be handed to DeadPool: its process group dies with the first failure, and its hooks
+    hide the model's phases from the fault plan and the hang detector. session.wrap does its job instead."""
+    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+        raise UsageError(f"{what} a torch DistributedDataParallel: pass the plain module to session.wrap instead "
+                         "(model = session.wrap(module), without DDP(...)), which averages the gradients as DDP does "
+                         "and survives a swap")

@@ -64,6 +64,8 @@ class Watch:
         self.ctx, self.inc, self.progress, self.on_abort = ctx, inc, progress, on_abort
         self._aborted = threading.Event()
         self._closed = threading.Event()
+        self._beating = threading.Lock()  # one pulse at a time: a stale one never lands after a fresher one
+        self._beat = 0
         self._thread = threading.Thread(target=self._run, name=f"deadpool-watch-g{inc.generation}", daemon=True)
         self._thread.start()
 
@@ -79,10 +81,20 @@ class Watch:
             self.progress.mark(self.progress.step, last_words)
             self.ctx.store.set(self.ctx.keys.heartbeat(self.ctx.proc), self.progress.pulse(self.inc.generation, -1))
 
+    def beat_now(self) -> None:
+        """Publishes this rank's progress at once, from the calling thread: a planned hang (SIGSTOP) is about
+        to stop the watch thread too, and the verdict must name the point it stopped at, not one up to a poll
+        interval older."""
+        if self.progress is not None:
+            with self._beating:
+                self._beat += 1
+                self.ctx.store.set(self.ctx.keys.heartbeat(self.ctx.proc),
+                                   self.progress.pulse(self.inc.generation, self._beat))
+
     def _run(self) -> None:
         store = connect(self.ctx.config)  # its own client: never queued behind another thread's call
         abort, beat_key = self.inc.abort_key(), self.ctx.keys.heartbeat(self.ctx.proc)
-        beat, sent, sent_t = 0, "", 0.0
+        sent, sent_t = "", 0.0
         try:
             while not self._closed.wait(self.ctx.config.poll_interval_s):
                 if not self._aborted.is_set() and store.check([abort]):
@@ -91,10 +103,11 @@ class Watch:
                 if self.progress is None:
                     continue
                 now = time.monotonic()
-                if self.progress.pulse(self.inc.generation, beat) != sent or now - sent_t >= BEAT_EVERY_S:
-                    beat += 1
-                    sent, sent_t = self.progress.pulse(self.inc.generation, beat), now
-                    store.set(beat_key, sent)
+                with self._beating:
+                    if self.progress.pulse(self.inc.generation, self._beat) != sent or now - sent_t >= BEAT_EVERY_S:
+                        self._beat += 1
+                        sent, sent_t = self.progress.pulse(self.inc.generation, self._beat), now
+                        store.set(beat_key, sent)
         except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
             if not self._closed.is_set():
                 self.ctx.events.emit("watch_ended", error=str(error).splitlines()[0] if str(error) else "")

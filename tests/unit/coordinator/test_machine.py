@@ -305,6 +305,17 @@ def test_a_script_error_stops_the_job_at_once_without_a_swap():
     assert (effects[2].status.outcome, effects[2].status.reason) == ("failed", reason)
 
 
+def test_a_called_spares_set_up_error_names_the_spare_the_rank_and_step_and_that_a_spare_was_used():
+    s = started()
+    error = ScriptError(rank=1, step=0, error="EOFError: Ran out of input", taking_over=4)
+    s, effects = advance(s, killed("s0", code=1, script_error=error), 4.0)
+    reason = emitted(effects, "job_failed")[0]["reason"]
+    assert reason.startswith("error in the training script on spare s0, in the script's set-up as it took over "
+                             "rank 1 at step 4: raised EOFError: Ran out of input. This is a bug in the script, not "
+                             "a node failure; a spare was used for the failure before it, and no other is tried")
+    assert s.exit_code == 1
+
+
 def test_an_exit_before_init_is_a_script_error():
     s = started()
     s, effects = advance(s, Inputs(exits=(ExitReport("w1", 2, 5, started=False),)), 1.0)

@@ -1,10 +1,12 @@
-"""Tests for deadpool/launcher/agent.py: the environment each training process starts with."""
+"""Tests for deadpool/launcher/agent.py: the environment each training process starts with, and its output."""
 
+import io
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from deadpool.config import JobConfig
-from deadpool.launcher.agent import process_env
+from deadpool.launcher.agent import Agent, process_env
 
 CONFIG = JobConfig(script="train.py", workers=2, spares=2, run_dir="runs/x", seed=7)
 
@@ -58,3 +60,17 @@ def test_a_process_with_a_gpu_has_it_as_its_local_rank():
     config = replace(CONFIG, gpus_per_node=3)
     assert [env_of(config, n, role, r)["LOCAL_RANK"] for n, role, r in
             [("w0", "worker", 0), ("w1", "worker", 1), ("s0", "spare", 2), ("s1", "spare", 3)]] == ["0", "1", "2", "3"]
+def test_an_idle_spares_output_is_held_back_in_its_log_until_it_takes_a_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import time\nprint('the banner', flush=True)\ntime.sleep(1)\nprint('training')\n")
+    echo = io.StringIO()
+    agent = Agent(JobConfig(script=str(script), workers=1, spares=1, run_dir=str(tmp_path)), tmp_path / "c.json",
+                  echo=echo)
+    agent.spawn("s0", "spare", 1)
+    log, deadline = tmp_path / "logs" / "s0.log", time.monotonic() + 30
+    while not (log.exists() and "the banner" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert echo.getvalue() == ""  # in the log, not on the console
+    agent.relabel("s0", "s0=r0")
+    agent.stop_all(grace_s=30)
+    assert echo.getvalue() == "[s0=r0] the banner\n[s0=r0] training\n"

@@ -1,6 +1,7 @@
 """Tests for deadpool/runtime/failures.py: a peer's failure is told from the script's own error by type and by
 where it was raised (and whether the generation is then aborted), never by the words of its message."""
 
+import subprocess
 import sys
 
 import pytest
@@ -133,3 +134,15 @@ def test_uncaught_errors_reported_to_the_coordinator(monkeypatch):
     assert reports == [{"rank": 1, "error": "RuntimeError: Tensors must be CPU and dense"},
                        {"rank": 1, "error": "TimeoutError: socket timed out"},
                        {"rank": 1, "error": "ConfigError: bad name"}]
+
+
+def test_an_uncaught_error_ends_the_process_after_its_traceback_and_exit_handlers(tmp_path):
+    """os._exit(1) once the traceback is printed and the atexit handlers ran: no interpreter finalization,
+    whose destruction of gloo groups aborts the process with C++ noise after a script error."""
+    script = tmp_path / "script.py"
+    script.write_text("import atexit\nfrom deadpool.runtime.failures import end_quietly_after_errors\n"
+                      "end_quietly_after_errors()\natexit.register(lambda: print('handler ran', flush=True))\n"
+                      "raise ValueError('a bug of the script')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == "handler ran\n"
+    assert done.stderr.startswith("Traceback") and "ValueError: a bug of the script" in done.stderr

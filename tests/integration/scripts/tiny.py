@@ -1,0 +1,72 @@
+"""The smallest DeadPool trainer, with the habits and mistakes of first ports, one flag each.
+
+It never seeds torch and draws its data in its set-up (`torch.randn`), as tutorials do: a spare must draw
+the same data as the rank it replaced. It logs a `replaying` event for every step it runs while
+`session.replaying` is true. Usage: tiny.py --steps N [--mistake M] [--steps-of-rank1 N] [--log-loss]
+[--spare-set-up-fails] [--counter-in-attribute]
+"""
+
+import argparse
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import deadpool
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, required=True)
+parser.add_argument("--mistake", choices=("outside_run", "register_ddp", "wrap_ddp", "nothing_trainable",
+                                          "run_twice"))
+parser.add_argument("--steps-of-rank1", type=int, help="rank 1 runs this many steps instead")
+parser.add_argument("--spare-set-up-fails", action="store_true", help="a called spare's set-up raises EOFError")
+parser.add_argument("--log-loss", action="store_true", help="return nothing; session.log the loss instead")
+parser.add_argument("--counter-in-attribute", action="store_true",
+                    help="the batch index lives in an attribute: not rolled back after a failure")
+args = parser.parse_args()
+
+session = deadpool.init()
+if args.spare_set_up_fails and os.environ["DEADPOOL_ROLE"] == "spare":
+    raise EOFError("Ran out of input")  # torch.load of the script's own checkpoint, cut short by the failure
+inputs, targets = torch.randn(64, 4), torch.randn(64, 1)  # this rank's data, from torch's default generator
+module = torch.nn.Linear(4, 1)
+if args.mistake == "register_ddp":
+    session.register(model=DistributedDataParallel(module))
+if args.mistake == "nothing_trainable":  # the model never given to session.wrap
+    model = module
+else:
+    model = session.wrap(DistributedDataParallel(module) if args.mistake == "wrap_ddp" else module)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+session.register(optimizer=optimizer)
+if args.mistake == "outside_run":
+    model(inputs)  # the kept `while True:` loop of a port, before session.run
+
+
+class Position:
+    def __init__(self) -> None:
+        self.batch = 0
+
+
+position = Position()
+
+
+def train_step(step: int) -> torch.Tensor | None:
+    if session.replaying:
+        session.log("replaying", step=step)
+    if args.counter_in_attribute:
+        position.batch += 1
+    i = (position.batch if args.counter_in_attribute else step) * 8 % 64
+    loss = (model(inputs[i:i + 8]) - targets[i:i + 8]).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if args.log_loss:
+        session.log("train", step=step, loss=loss.item())
+        return None
+    return loss
+
+
+steps = args.steps_of_rank1 if args.steps_of_rank1 and session.rank == 1 else args.steps
+session.run(train_step, steps=steps)
+if args.mistake == "run_twice":
+    session.run(train_step, steps=steps + 2)

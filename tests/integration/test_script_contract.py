@@ -1,0 +1,101 @@
+"""What a training script may count on, and the mistakes of a first port named as the script's, with real
+processes: the smallest jobs of tests/integration/scripts/tiny.py (one or two workers, one spare)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadpool.config import Fault
+
+from .conftest import SCRIPTS, Job, run_job
+
+TINY = SCRIPTS / "tiny.py"
+
+
+def tiny(run_dir, *args: str, steps: int = 6, workers: int = 1, **job) -> Job:
+    return run_job(run_dir, steps=steps, workers=workers, spares=1, script=TINY, script_args=args, **job)
+
+
+def test_an_unseeded_script_drawing_its_data_in_set_up_is_bit_for_bit_after_a_swap(tmp_path):
+    """init() seeds torch with --seed plus the rank, a spare once it knows its rank: the spare that takes
+    rank 0 draws the same data (torch.randn, before run) as the worker it replaced."""
+    reference = tiny(tmp_path / "reference")
+    swapped = tiny(tmp_path / "swapped", faults=(Fault(kind="kill", rank=0, step=3, phase="backward"),))
+    assert reference.code == swapped.code == 0 and swapped.summary["swaps"] == 1
+    assert swapped.summary["final_state_sha256"] == reference.summary["final_state_sha256"]
+    assert swapped.summary["losses"] == reference.summary["losses"]
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("outside_run", "UsageError: the model was used outside session.run(): call it only in the step function"),
+    ("register_ddp", "UsageError: 'model' is a torch DistributedDataParallel: pass the plain module to "
+                     "session.wrap instead"),
+    ("wrap_ddp", "UsageError: session.wrap got a torch DistributedDataParallel: pass the plain module to "
+                 "session.wrap instead"),
+    ("nothing_trainable", "UsageError: nothing trainable: session.run() found no model. Pass the model to "
+                          "session.wrap"),
+    ("run_twice", "UsageError: session.run() was called a second time: call it once"),
+])
+def test_a_usage_error_stops_the_job_as_the_scripts_own_naming_what_to_change(tmp_path, mistake, message):
+    job = tiny(tmp_path, "--mistake", mistake, steps=2)
+    assert job.code == 1 and job.summary["swaps"] == 0
+    assert job.summary["error"].startswith("error in the training script on rank 0 (w0) at step ")
+    assert message in job.summary["error"] and "no spare was used" in job.summary["error"]
+    assert not job.named("failure_detected") and not job.named("spare_called")
+
+
+def test_session_replaying_is_true_exactly_for_the_steps_run_again_after_a_swap(tmp_path):
+    """Snapshots every 4 steps, rank 1 killed in step 7: both ranks (the spare too) run the steps after the
+    restored snapshot (4, or 0 if rank 1's copy of 4 was still on its way) again, and see session.replaying
+    there only: as many steps as summary.json's steps_replayed."""
+    job = tiny(tmp_path, steps=8, workers=2, snapshot_every=4,
+               faults=(Fault(kind="kill", rank=1, step=7, phase="backward"),))
+    assert job.code == 0 and job.summary["swaps"] == 1
+    [recovery] = job.summary["recoveries"]
+    replayed = range(recovery["restored_step"] + 1, 7)
+    assert len(replayed) == job.summary["steps_replayed"] >= 2
+    seen = {(e["proc"], e["step"]) for e in job.named("replaying")}
+    assert seen == {(proc, step) for proc in ("w0", "s0") for step in replayed}
+    assert {(e["proc"], e["step"]) for e in job.named("step") if e["replay"]} == seen
+
+
+def test_a_step_function_returning_nothing_gets_its_losses_from_session_log(tmp_path):
+    job = tiny(tmp_path, "--log-loss", steps=3)
+    assert job.code == 0
+    logged = [e["loss"] for e in job.named("train")]
+    assert len(logged) == 3 and job.summary["losses"] == {"0": logged} and job.summary["final_loss"] == logged[-1]
+
+
+def test_ranks_given_different_steps_stop_the_job_naming_the_disagreement_and_no_rank_is_fenced(tmp_path):
+    job = tiny(tmp_path, "--steps-of-rank1", "5", steps=3, workers=2)
+    assert job.code == 1 and job.summary["swaps"] == 0
+    assert ("raised UsageError: the ranks disagree on the steps to run: session.run(steps=...) is 3 on some ranks "
+            "and 5 on others") in job.summary["error"]
+    assert job.summary["final_step"] == 1  # found at the end of step 1, before any rank ran on alone
+    assert not job.named("hang_detected") and not job.named("failure_detected") and not job.named("spare_called")
+
+
+def test_a_counter_kept_in_an_attribute_is_stopped_by_the_replay_check_naming_the_step(tmp_path):
+    """The data position lives in an attribute: the survivor's is not rolled back, so it replays the steps
+    after the restored snapshot on other batches than the first time; the job stops at the first of them."""
+    job = tiny(tmp_path, "--counter-in-attribute", steps=8, workers=2, snapshot_every=4,
+               faults=(Fault(kind="kill", rank=1, step=7, phase="backward"),))
+    assert job.code == 1
+    [recovery] = job.summary["recoveries"]
+    first = recovery["restored_step"] + 1
+    assert job.summary["error"].startswith(
+        f"error in the training script on rank 0 (w0) at step {first}: raised ReplayMismatch: step {first} replayed "
+        "on rank 0 after a failure was fed other inputs than the first time")
+    assert "a counter or data position kept in an attribute of your own object" in job.summary["error"]
+
+
+def test_an_error_in_a_called_spares_set_up_names_the_spare_the_rank_its_step_and_that_a_spare_was_used(tmp_path):
+    job = tiny(tmp_path, "--spare-set-up-fails", steps=5, workers=2,
+               faults=(Fault(kind="kill", rank=1, step=3, phase="backward"),))
+    assert job.code == 1
+    [stopped] = job.named("script_error")
+    assert stopped["proc"] == "s0"
+    assert job.summary["error"].startswith("error in the training script on spare s0, in the script's set-up as it "
+                                           "took over rank 1 at step ")
+    assert "raised EOFError: Ran out of input" in job.summary["error"]
+    assert "a spare was used for the failure before it" in job.summary["error"]
