@@ -93,8 +93,9 @@ def fallback(out: Path, reps: int) -> dict:
     for r in range(reps):
         run_dir = out / f"fallback-{r}"
         result: dict = {}
-        thread = threading.Thread(target=lambda: result.update(job(
-            run_dir, 40, spares=2, persist_dir=str(out / f"fallback-ckpt-{r}"), persist_every=5)))
+        config = dict(spares=2, persist_dir=str(out / f"fallback-ckpt-{r}"), persist_every=5)
+        thread = threading.Thread(target=lambda d, c, into: into.update(job(d, 40, **c)),
+                                  args=(run_dir, config, result))
         thread.start()
         while not any(e["event"] == "checkpoint_persisted" and e["step"] >= 10 for e in events(run_dir)):
             time.sleep(0.02)
