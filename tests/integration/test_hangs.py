@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from deadpool.config import SILENCE_TIMEOUT_S, Fault
 
-from .conftest import SCRIPTS, SMALL, Job, run_job
+from .conftest import SCRIPTS, SMALL, Background, Job, run_job
 from .test_hot_swap import assert_same_training
 
 SPINNING = Path(__file__).with_name("scripts") / "spinning_train.py"
@@ -73,3 +75,21 @@ def test_a_hang_verdict_names_the_exact_phase_and_step_the_rank_stopped_in(tmp_p
     [verdict] = job.named("hang_detected")
     assert verdict["reason"].startswith("rank 1 silent (no heartbeat) for ")
     assert f" in {phase} of step 3 " in verdict["reason"]
+
+
+def test_a_hung_spare_holding_replicas_is_fenced_and_its_replicas_placed_anew_bit_for_bit(tmp_path, reference):
+    """SIGSTOP the only spare mid-run: the ranks replicating to it would block at their next copy until it woke.
+    Its beacon stops, the coordinator fences it after the silence timeout, and the spare-lost path re-places
+    its replicas (on the peers: no spare is left); the run is the reference's, bit for bit."""
+    job = Background(tmp_path / "run")
+    job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
+    os.kill(job.pid("s0"), signal.SIGSTOP)
+    job = job.join()
+    assert job.code == 0, job.summary["error"]
+    [verdict] = job.named("hang_detected")
+    assert (verdict["proc"], verdict["hung_rank"], verdict["rule"]) == ("s0", None, "silence")
+    assert verdict["reason"].startswith("s0 silent (no heartbeat) for ") and verdict["silent_s"] >= SILENCE_TIMEOUT_S
+    [lost] = job.named("failure_detected")
+    assert (lost["proc"], lost["exit"]) == ("s0", "hung, and fenced (SIGKILL)")
+    assert job.named("plan_published")[-1]["spares"] == []
+    assert_same_training(job, reference)
