@@ -93,3 +93,22 @@ def test_a_hung_spare_holding_replicas_is_fenced_and_its_replicas_placed_anew_bi
     assert (lost["proc"], lost["exit"]) == ("s0", "hung, and fenced (SIGKILL)")
     assert job.named("plan_published")[-1]["spares"] == []
     assert_same_training(job, reference)
+
+
+def test_a_rank_hung_in_the_middle_of_a_recovery_is_fenced_and_replaced_bit_for_bit(tmp_path, reference):
+    """Rank 2 stops (SIGSTOP) while the job recovers from rank 1's death, before it reports its snapshots: no
+    step runs, so its beacon's silence is what tells, within the hang timeout (not the recovery timeout, which
+    would end the job). It is fenced, generation 1 is abandoned for generation 2 and both spares take over."""
+    faults = (Fault(kind="kill", rank=1, step=5, phase="backward"),
+              Fault(kind="hang", rank=2, step=5, phase="recovery"))
+    job = run_job(tmp_path, spares=2, faults=faults)
+    assert_same_training(job, reference)
+    [verdict] = job.named("hang_detected")
+    assert (verdict["proc"], verdict["hung_rank"], verdict["phase"]) == ("w2", 2, "await_ready")
+    assert verdict["reason"].startswith("w2 silent (no heartbeat) for ")
+    assert verdict["reason"].endswith(" while generation 1 recovers (timeout " + f"{verdict['timeout_s']:g} s)")
+    assert [(e["failed_rank"], e["exit"]) for e in job.named("failure_detected")] == [
+        (1, "killed by SIGKILL"), (2, "hung, and fenced (SIGKILL)")]
+    [swap] = job.summary["recoveries"]  # one recovery, completed in generation 2
+    assert swap["generation"] == 2 and swap["replaced"] == {"1": "s1", "2": "s0"}
+    assert {e["gen"] for e in job.named("recovered")} == {2}
