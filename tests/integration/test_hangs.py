@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from deadpool.config import SILENCE_TIMEOUT_S, Fault
 
-from .conftest import SCRIPTS, SMALL, Job, run_job
+from .conftest import SCRIPTS, SMALL, Background, Job, run_job
 from .test_hot_swap import assert_same_training
 
 SPINNING = Path(__file__).with_name("scripts") / "spinning_train.py"
@@ -73,3 +75,40 @@ def test_a_hang_verdict_names_the_exact_phase_and_step_the_rank_stopped_in(tmp_p
     [verdict] = job.named("hang_detected")
     assert verdict["reason"].startswith("rank 1 silent (no heartbeat) for ")
     assert f" in {phase} of step 3 " in verdict["reason"]
+
+
+def test_a_hung_spare_holding_replicas_is_fenced_and_its_replicas_placed_anew_bit_for_bit(tmp_path, reference):
+    """SIGSTOP the only spare mid-run: the ranks replicating to it would block at their next copy until it woke.
+    Its beacon stops, the coordinator fences it after the silence timeout, and the spare-lost path re-places
+    its replicas (on the peers: no spare is left); the run is the reference's, bit for bit."""
+    job = Background(tmp_path / "run")
+    job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 4)
+    os.kill(job.pid("s0"), signal.SIGSTOP)
+    job = job.join()
+    assert job.code == 0, job.summary["error"]
+    [verdict] = job.named("hang_detected")
+    assert (verdict["proc"], verdict["hung_rank"], verdict["rule"]) == ("s0", None, "silence")
+    assert verdict["reason"].startswith("s0 silent (no heartbeat) for ") and verdict["silent_s"] >= SILENCE_TIMEOUT_S
+    [lost] = job.named("failure_detected")
+    assert (lost["proc"], lost["exit"]) == ("s0", "hung, and fenced (SIGKILL)")
+    assert job.named("plan_published")[-1]["spares"] == []
+    assert_same_training(job, reference)
+
+
+def test_a_rank_hung_in_the_middle_of_a_recovery_is_fenced_and_replaced_bit_for_bit(tmp_path, reference):
+    """Rank 2 stops (SIGSTOP) while the job recovers from rank 1's death, before it reports its snapshots: no
+    step runs, so its beacon's silence is what tells, within the hang timeout (not the recovery timeout, which
+    would end the job). It is fenced, generation 1 is abandoned for generation 2 and both spares take over."""
+    faults = (Fault(kind="kill", rank=1, step=5, phase="backward"),
+              Fault(kind="hang", rank=2, step=5, phase="recovery"))
+    job = run_job(tmp_path, spares=2, faults=faults)
+    assert_same_training(job, reference)
+    [verdict] = job.named("hang_detected")
+    assert (verdict["proc"], verdict["hung_rank"], verdict["phase"]) == ("w2", 2, "await_ready")
+    assert verdict["reason"].startswith("w2 silent (no heartbeat) for ")
+    assert verdict["reason"].endswith(" while generation 1 recovers (timeout " + f"{verdict['timeout_s']:g} s)")
+    assert [(e["failed_rank"], e["exit"]) for e in job.named("failure_detected")] == [
+        (1, "killed by SIGKILL"), (2, "hung, and fenced (SIGKILL)")]
+    [swap] = job.summary["recoveries"]  # one recovery, completed in generation 2
+    assert swap["generation"] == 2 and swap["replaced"] == {"1": "s1", "2": "s0"}
+    assert {e["gen"] for e in job.named("recovered")} == {2}

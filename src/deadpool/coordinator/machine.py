@@ -10,8 +10,9 @@
     STEADY --a spare node's spares started: policy.plan_after_join, publish g+1--> AWAIT_READY
 
 In STEADY the machine also checks that data-parallel replicas agree (policy.check_replicas), commits
-snapshots (policy.commit_step), looks for hangs (policy.hang_verdict) and admits spare nodes that joined
-the running job (a join in any other phase waits in the state until then).
+snapshots (policy.commit_step), looks for hangs (fences.look_for_hangs) and admits spare nodes that joined
+the running job (a join in any other phase waits in the state until then). In STEADY and during a recovery
+it fences processes whose own heartbeat stopped (fences.look_for_silence: an idle spare, anyone recovering).
 A script error ends the job at once without a swap; a deadline missed, or a decision with no answer,
 ends it with the earliest failure as its root cause. The shell (server.py) gathers the inputs, calls
 `advance` with its clock, and applies the effects in order; exits come first, then the phase's tick.
@@ -24,6 +25,7 @@ from typing import Mapping
 
 from deadpool.config import JobConfig
 from deadpool.coordinator import persist
+from deadpool.coordinator.fences import look_for_hangs, look_for_silence
 from deadpool.coordinator.policy import (
     DIVERGENCE_CAUSES,
     FINISHED,
@@ -31,14 +33,11 @@ from deadpool.coordinator.policy import (
     Decision,
     Divergence,
     Durable,
-    Pulse,
     abandoned_steps,
     check_replicas,
     choose_restore_step,
     classify_exit,
     commit_step,
-    hang_timeout,
-    hang_verdict,
     initial_plan,
     node_map,
 )
@@ -49,12 +48,8 @@ from deadpool.coordinator.state import (
     Emit,
     ExitReport,
     Failure,
-    Fence,
     Finalize,
-    Hang,
-    Heartbeat,
     Inputs,
-    Liveness,
     MarkRunning,
     Phase,
     Say,
@@ -151,13 +146,15 @@ def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> St
 # ---- the phases ---------------------------------------------------------------------------
 
 def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
-    """What the phase waits for: reports to commit and hangs (steady), a window or a deadline, or every rank."""
+    """What the phase waits for: reports to commit and hangs (steady), a window or a deadline, or every rank.
+    In every phase, silent processes are looked for (fences.look_for_silence)."""
+    s = look_for_silence(s, inputs.alive, now, out)
     if s.phase is Phase.STEADY:
         s = _commit(s, inputs.durable, now, out)
         if s.exit_code is not None:
             return s
         s = persist.tick(s, inputs, now, out, may_order=True)
-        s = _look_for_hangs(s, inputs.beats, now, out)
+        s = look_for_hangs(s, inputs.beats, now, out)
         if s.swap is None and not s.finished:
             s, new = admit(s, inputs.started, now, out)
             s = refill(s, new, now, out)
@@ -219,53 +216,6 @@ def _diverged(s: State, divergence: Divergence, reason: str, out: list[Effect]) 
     return fail(replace(s, root_cause=None), f"replicas diverged {reason}. Data-parallel replicas must stay "
                 f"bit-identical; these no longer are, so the run is not the one you started. Usual causes: "
                 f"{DIVERGENCE_CAUSES}. Fix the script (or pass --on-divergence warn to go on anyway).", out)
-
-
-def _observe(seen: Liveness, beat: Heartbeat | None, gen: int, now: float) -> Liveness:
-    """Any new heartbeat of this generation is a sign of life; a new (step, phase, marks) is progress."""
-    if beat is None or beat == seen.beat:
-        return seen
-    if beat.gen != gen:
-        return replace(seen, beat=beat)
-    progress = (beat.step, beat.phase, beat.marks)
-    if progress == seen.progress:
-        return replace(seen, beat=beat, beat_t=now)
-    return replace(seen, beat=beat, beat_t=now, progress=progress, progress_t=now)
-
-
-def _look_for_hangs(s: State, beats: Mapping[str, Heartbeat], now: float, out: list[Effect]) -> State:
-    """Updates every rank's liveness; fences the ranks the policy calls hung (their exit follows)."""
-    gen = s.plan.generation
-    procs = [p for p in s.plan.ranks if p not in s.fenced]
-    live = dict(s.live)
-    pulses: dict[int, Pulse] = {}
-    for proc in procs:
-        seen = live[proc] = _observe(live.get(proc) or Liveness(now, now), beats.get(proc), gen, now)
-        if seen.beat is not None and seen.beat.gen == gen:
-            pulses[s.plan.ranks.index(proc)] = Pulse(seen.beat_t, seen.progress_t, seen.beat.step, seen.beat.phase,
-                                                     seen.beat.waiting)
-    s = replace(s, live=live)
-    if len(pulses) < len(procs):
-        return s  # detection starts once every rank of this generation has a heartbeat
-    timeout = hang_timeout(s.config.hang_timeout_s, [v.beat.step_s for v in live.values() if v.beat and v.beat.step_s])
-    silence_s = s.config.silence_timeout_s
-    if abs((timeout.value or 0) - s.announced) > 0.2 * s.announced:  # say so when it moves by > 20 %
-        out.append(Emit("hang_timeout", dict(timeout_s=timeout.value, reason=timeout.reason,
-                                             silence_timeout_s=silence_s)))
-        s = replace(s, announced=timeout.value or 0, announced_reason=timeout.reason)
-    verdict = hang_verdict(now, pulses, timeout.value or float("inf"), silence_s)
-    for rank, hung in sorted((verdict.value or {}).items()):
-        proc, pulse = s.plan.ranks[rank], pulses[rank]
-        last = min(pulse.beat_t, pulse.progress_t)
-        out.append(Emit("hang_detected", dict(proc=proc, hung_rank=rank, step=pulse.step, phase=pulse.phase,
-                                              last_progress_t=last, silent_s=now - last, rule=hung.rule,
-                                              timeout_s=hung.timeout_s, reason=verdict.reason)))
-        out.append(Say(f"rank {rank} ({proc}) is hung: {verdict.reason}; fencing it (SIGKILL)"))
-        swap = s.swap or Swap(detected_t=now, cause=f"rank {rank} ({proc}) hung: {verdict.reason}",
-                              hang=Hang(rank, proc, last, now))
-        s = replace(s, fenced=s.fenced | {proc}, swap=swap, root_cause=s.root_cause or swap.cause)
-        out.append(Fence(proc))
-    return s
 
 
 def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:

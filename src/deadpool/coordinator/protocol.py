@@ -136,6 +136,10 @@ class Keys:
     def heartbeat(self, proc: str) -> str:
         return self._k(f"hb/{proc}")
 
+    def alive(self, proc: str) -> str:
+        """A counter the process's beacon adds to (runtime/watch.Beacon), reset to 0 when it is spawned."""
+        return self._k(f"alive/{proc}")
+
     def device(self, proc: str) -> str:
         """The GPU a process trains on: a spare without one of its own takes the device of the rank it replaces."""
         return self._k(f"device/{proc}")

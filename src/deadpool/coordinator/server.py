@@ -103,7 +103,13 @@ class Coordinator:
         started = frozenset(name for name in starting if self.store.check([self.keys.started(name)]))
         return Inputs(exits=exits, joined=self.agent.joined(), started=started, terminate=self.terminate,
                       persist_reports=self._persist_reports(state), finalized=dict(self.finalized),
-                      **self._reports(state))
+                      alive=self._alive(state), **self._reports(state))
+
+    def _alive(self, state: CoordinatorState) -> dict[str, int]:
+        """Every planned process's beacon count (runtime/watch.Beacon), but those known to be gone."""
+        gone = state.fenced | state.lost | state.finished
+        procs = [p for p in (*state.plan.ranks, *state.plan.spares) if p not in gone]
+        return {p: int(raw) for p, raw in zip(procs, self.store.multi_get([self.keys.alive(p) for p in procs]))}
 
     def _persist_reports(self, state: CoordinatorState) -> dict[str, PersistReport]:
         """The writers' reports on the checkpoint being written; a malformed one counts as a failed part."""
@@ -190,6 +196,7 @@ class Coordinator:
 
     def _spawn(self, effect: Spawn) -> None:
         self.store.set(self.keys.heartbeat(effect.name), "")
+        self.store.set(self.keys.alive(effect.name), "0")
         child = self.agent.spawn(effect.name, effect.role, effect.rank)
         self.events.emit("process_spawned", proc=effect.name, pid=child.pid, role=effect.role,
                          rank=effect.rank if effect.role == "worker" else None, node=getattr(child, "node", None))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from deadpool.config import JobConfig
+from deadpool.coordinator.hangs import Alive
 from deadpool.coordinator.policy import Durable
 from deadpool.coordinator.protocol import Plan
 from deadpool.coordinator.status import JobStatus, Recovery
@@ -42,7 +43,7 @@ class Failure:
 class Hang:
     """The verdict that started a recovery, when a hang did: the swap_complete event's `hang`."""
 
-    rank: int
+    rank: int | None  # None: a spare (an idle holder of replicas)
     proc: str
     last_progress_t: float
     verdict_t: float
@@ -156,6 +157,7 @@ class Inputs:
     ready: Mapping[int, list[int]] = field(default_factory=dict)  # awaiting ready: rank -> intact steps
     resumed: frozenset[int] = frozenset()                          # awaiting resumed: ranks that rejoined
     started: frozenset[str] = frozenset()                          # joining spares that reached init()
+    alive: Mapping[str, int] = field(default_factory=dict)         # planned process -> its beacon's count
     persist_reports: Mapping[str, PersistReport] = field(default_factory=dict)  # writers of the order in flight
     finalized: Mapping[int, bool] = field(default_factory=dict)    # checkpoint step -> complete on disk
     terminate: bool = False                                        # SIGTERM: persist the newest commit, then stop
@@ -277,6 +279,7 @@ class CoordinatorState:
     swap: Swap | None = None
     root_cause: str | None = None
     live: Mapping[str, Liveness] = field(default_factory=dict)
+    alive: Mapping[str, Alive] = field(default_factory=dict)  # every planned process's beacon, as last seen
     announced: float = 0.0              # the hang timeout last written to the events
     announced_reason: str = ""
     joins: Mapping[int, str] = field(default_factory=dict)       # nodes that joined, not admitted yet

@@ -14,6 +14,7 @@ import threading
 from deadpool.errors import ProtocolError
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.plane import Interruptible
 from deadpool.runtime.replica import ReplicaReceiver
 from deadpool.runtime.slots import Slot
 
@@ -34,7 +35,8 @@ class Receiver:
         reported = 0
         try:
             store = connect(ctx.config)
-            self.receiver = ReplicaReceiver(store, self.inc.pair_prefix(self.rank, ctx.proc), ctx.config.token,
+            prefix = self.inc.pair_prefix(self.rank, ctx.proc)
+            self.receiver = ReplicaReceiver(Interruptible(store, self.stop.is_set), prefix, ctx.config.token,
                                             self.inc.generation, self.slots, ctx.config.collective_timeout_s)
             while not self.stop.is_set():
                 try:

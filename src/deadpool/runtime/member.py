@@ -21,6 +21,7 @@ from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
 from deadpool.runtime.persist import Persister, checkpoint_of, load_from_disk, on_disk
+from deadpool.runtime.plane import Interruptible
 from deadpool.runtime.sharded import ShardedModel
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.snapshot import SnapshotEngine
@@ -47,6 +48,7 @@ class Member:
         self.progress = Progress()
         self.engine = SnapshotEngine(ctx, self.device)
         self.watch: Watch | None = None
+        self.rendezvous: Interruptible | None = None  # the store view the default group was built over
         self.held = held or Holdings(ctx)  # other ranks' replicas: a spare's, or a peer's when spares run short
         self.model: DataParallel | ShardedModel | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -65,11 +67,14 @@ class Member:
     # ---- one generation ------------------------------------------------------------------
 
     def enter(self) -> None:
-        """Builds this generation's watch and joins its process group (PeerFailure if a peer fails meanwhile)."""
+        """Builds this generation's watch and joins its process group (PeerFailure if a peer fails meanwhile, or
+        the generation is aborted before its group formed: a peer that died before joining never will)."""
         self.watch = Watch(self.ctx, self.inc, self.progress, on_abort=lambda: abandon_group(self.device))
         start = time.monotonic()
+        # referenced as long as the group lives: torch keeps only the C++ half of a store written in Python
+        self.rendezvous = Interruptible(self.ctx.store, self.watch.aborted)
         with communicating(f"joining generation {self.inc.generation}'s process group"):
-            join_group(self.ctx.store, self.inc.group_prefix(), self.backend, self.rank, self.world_size,
+            join_group(self.rendezvous, self.inc.group_prefix(), self.backend, self.rank, self.world_size,
                        self.ctx.config.collective_timeout_s)
         self.ctx.events.emit("group_joined", duration_s=time.monotonic() - start, world_size=self.world_size,
                              device=str(self.device))

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
+from deadpool.errors import StoreTimeout
 from deadpool.protocol.store import StoreClient
+
+SLICE_S = 0.05  # how often an interruptible wait asks whether to give up
 
 
 class PlaneStore(dist.Store):
@@ -44,3 +49,33 @@ class PlaneStore(dist.Store):
 
     def num_keys(self) -> int:
         return self.client.num_keys()
+
+
+class Interruptible(PlaneStore):
+    """A PlaneStore whose blocking calls give up (InterruptedError) as soon as `stopped()`. gloo builds a group
+    by waiting in the store for each peer's address, for up to the collective timeout, and nothing else can
+    release that wait: a peer that died or stopped before it wrote its address (a holder killed as a transfer
+    starts, a rank that died in start-up, a generation abandoned before its group formed) would hold this
+    process there for a minute. Given to a group's rendezvous, this view ends it when the generation is over.
+    Raised inside torch's call, the error reaches the caller as the RuntimeError torch makes of it. Keep a
+    reference to the view while torch uses it: torch holds only the C++ half of a store written in Python."""
+
+    def __init__(self, store: PlaneStore, stopped: Callable[[], bool]) -> None:
+        super().__init__(store.client)
+        self.stopped = stopped
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.client.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout.total_seconds() if timeout else self.client.timeout_s)
+        while True:
+            try:
+                self.client.wait(keys, max(0.0, min(SLICE_S, deadline - time.monotonic())))
+                return
+            except StoreTimeout:
+                if self.stopped():
+                    raise InterruptedError(f"stopped while waiting for {keys}") from None
+                if time.monotonic() >= deadline:
+                    raise

@@ -27,6 +27,7 @@ from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.failures import RECOVERABLE
 from deadpool.runtime.generation import Incarnation, assume
+from deadpool.runtime.plane import Interruptible
 from deadpool.runtime.replica import receive_replica, send_replica
 from deadpool.runtime.slots import Slot
 
@@ -179,8 +180,9 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
         if source is not None:
             deadline = time.monotonic() + ctx.config.recovery_timeout_s
             with communicating(f"receiving rank {rank}'s replica from {source}"):
-                slots, rejected = receive_replica(ctx.store, inc.transfer_prefix(rank), ctx.config.token,
-                                                  inc.generation, ctx.config.collective_timeout_s, deadline, stopped)
+                slots, rejected = receive_replica(Interruptible(ctx.store, stopped), inc.transfer_prefix(rank),
+                                                  ctx.config.token, inc.generation, ctx.config.collective_timeout_s,
+                                                  deadline, stopped)
             for mismatch in rejected:
                 ctx.events.emit("replica_rejected", of_rank=rank, step=mismatch.step, source=source,
                                 error=str(mismatch))
@@ -199,10 +201,13 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
 
 def hand_over(ctx: Context, inc: Incarnation, rank: int, slots: list[Slot]) -> None:
     """A holder's part of TRANSFER: sends rank's replica to the process that takes the rank over (on a
-    store client of its own: it blocks in gloo's rendezvous, and may run beside the main thread's)."""
+    store client of its own: it blocks in gloo's rendezvous, and may run beside the main thread's), until the
+    generation is aborted (the taker died, or failed to come: the coordinator plans again)."""
+    store = connect(ctx.config)
+    over = lambda: store.check([inc.abort_key()]) or store.check([ctx.keys.shutdown()])  # noqa: E731
     try:
-        sent = send_replica(connect(ctx.config), inc.transfer_prefix(rank), ctx.config.token, inc.generation, slots,
-                            ctx.config.collective_timeout_s)
+        sent = send_replica(Interruptible(store, over), inc.transfer_prefix(rank), ctx.config.token, inc.generation,
+                            slots, ctx.config.collective_timeout_s)
         ctx.events.emit("replica_handed_over", of_rank=rank, to=inc.plan.ranks[rank], snapshots=sent)
     except Exception as error:  # the taker died or the generation moved on: the coordinator decides what next
         ctx.events.emit("handover_failed", of_rank=rank, error=str(error).splitlines()[0] if str(error) else "")

@@ -32,6 +32,7 @@ from deadpool.runtime.recovery import Recovery, State
 from deadpool.runtime.sharded import ShardedModel, is_sharded
 from deadpool.runtime.state import Stateful, state_sha256
 from deadpool.runtime.terminate import on_termination
+from deadpool.runtime.watch import Beacon
 
 RESERVED = ("rng", "deadpool", "variables")  # the names of the state DeadPool adds to every snapshot
 
@@ -56,6 +57,7 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
     if ctx.config.persist_dir:  # else SIGTERM ends the process at once, as it always did
         on_termination(ctx, last_words)
     ctx.store.set(ctx.keys.started(ctx.proc), "1")
+    Beacon(ctx)  # from here on the coordinator can tell this process stopped, whatever it is doing
     ctx.events.emit("process_start", argv=sys.argv)
     if ctx.role == "spare":
         from deadpool.spare import Standby

@@ -7,6 +7,10 @@ which releases a training thread blocked in a kernel, a host sync or a synchrono
 script's own, where no Python check can run). The same thread publishes this rank's heartbeat: a beat counter and the
 training thread's progress (step, phase, whether it waits on peers). The coordinator fences a rank whose
 beat stops (SIGSTOP) or whose progress stops while it does not wait (spinning in the script).
+
+A Watch lives for one generation of a rank; a Beacon lives as long as the process, from deadpool.init() on,
+and beats whatever the process does: holding replicas as an idle spare, or recovering between two
+generations, when no Watch runs. The coordinator fences a process whose beacon stops in those times.
 """
 
 from __future__ import annotations
@@ -54,6 +58,25 @@ class Progress:
         step_s = statistics.median(self.step_times) if self.step_times else None
         return json.dumps({"gen": gen, "beat": beat, "step": self.step, "phase": self.phase, "marks": self.marks,
                            "waiting": self.waiting, "step_s": step_s})
+
+
+class Beacon:
+    """The process's own heartbeat: a thread that adds one to `alive/{proc}` every BEAT_EVERY_S until the
+    process exits (a SIGSTOP stops it with every other thread). It ends quietly when the store goes away."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        threading.Thread(target=self._run, name="deadpool-beacon", daemon=True).start()
+
+    def _run(self) -> None:
+        key = self.ctx.keys.alive(self.ctx.proc)
+        try:
+            store = connect(self.ctx.config)  # its own client: never queued behind another thread's call
+            while True:
+                store.add(key, 1)
+                time.sleep(BEAT_EVERY_S)
+        except Exception:  # the store is gone: the job ended, and this process exits with it
+            return
 
 
 class Watch:

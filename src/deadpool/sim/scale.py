@@ -28,7 +28,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-from deadpool.coordinator.policy import hang_timeout
+from deadpool.coordinator.hangs import hang_timeout
 from deadpool.sim.model import require
 
 _SNAPSHOT_BYTES = 38.5e6  # one rank of the example GPT, the state our measured phases moved (docs/benchmarks.md)

@@ -13,6 +13,7 @@ from deadpool.coordinator.state import (
     Emit,
     ExitReport,
     Fence,
+    Hang,
     Heartbeat,
     Inputs,
     MarkRunning,
@@ -288,6 +289,54 @@ def test_no_hang_is_looked_for_until_every_rank_has_a_heartbeat():
     s = started(replace(CONFIG, hang_timeout_s=5.0))
     s, effects = advance(s, replace(durable(s, 0), beats={"w0": pulse(1, 1)}), 100.0)
     assert not emitted(effects, "hang_timeout") and not emitted(effects, "hang_detected")
+
+
+# ---- silent processes: idle spares, and anyone during a recovery -------------------------------
+
+def test_a_silent_spare_is_fenced_after_the_silence_timeout_and_its_replicas_placed_anew():
+    """A SIGSTOPped holder: the ranks replicating to it would block at their next copy until it woke."""
+    s = started(replace(CONFIG, silence_timeout_s=2.0))
+    s, _ = advance(s, replace(durable(s, 0, 1), alive={"w0": 1, "w1": 1, "s0": 0}), 1.0)  # s0 still importing
+    s, effects = advance(s, Inputs(alive={"w0": 9, "w1": 9, "s0": 0}), 50.0)
+    assert not emitted(effects, "hang_detected")  # a process that never beat is not judged: its exit tells
+    s, _ = advance(s, Inputs(alive={"w0": 10, "w1": 10, "s0": 5}), 51.0)
+    s, effects = advance(s, Inputs(alive={"w0": 30, "w1": 30, "s0": 5}), 52.9)
+    assert not emitted(effects, "hang_detected")
+    s, effects = advance(s, Inputs(alive={"w0": 31, "w1": 31, "s0": 5}), 53.0)
+    [hang] = emitted(effects, "hang_detected")
+    assert hang == {"proc": "s0", "hung_rank": None, "step": None, "phase": "steady", "last_progress_t": 51.0,
+                    "silent_s": 2.0, "rule": "silence", "timeout_s": 2.0,
+                    "reason": "s0 silent (no heartbeat) for 2.0 s while holding replicas (timeout 2 s)"}
+    assert Fence("s0") in effects and s.fenced == {"s0"}
+    assert s.swap.hang == Hang(None, "s0", 51.0, 53.0) and s.root_cause.startswith("spare s0 hung: s0 silent")
+    s, effects = advance(s, killed("s0", pid=7), 53.1)
+    assert emitted(effects, "failure_detected")[0]["exit"] == "hung, and fenced (SIGKILL)"
+    s, effects = advance(s, Inputs(), 54.0)
+    plan = effects[0].plan  # it held both ranks' replicas: a new generation places them (on the peers)
+    assert (plan.generation, plan.ranks, plan.spares, plan.holders) == (1, ("w0", "w1"), (), (("w1",), ("w0",)))
+    assert s.phase is Phase.AWAIT_READY
+
+
+def test_a_process_silent_during_a_recovery_is_fenced_after_the_hang_timeout_and_planned_with_the_first():
+    """No step runs while the coordinator awaits the ready reports: the beacon is all there is to judge, for the
+    longer of the silence and hang timeouts (a taker runs its script's set-up meanwhile)."""
+    s = started(replace(CONFIG, spares=2, silence_timeout_s=2.0, hang_timeout_s=5.0))
+    s, _ = advance(s, Inputs(alive={"w0": 1, "w1": 1, "s0": 1, "s1": 1}), 9.0)
+    s = recovering(s, "w1", 10.0)
+    assert (s.plan.ranks, s.plan.spares) == (("w0", "s1"), ("s0",))
+    s, effects = advance(s, replace(ready(1), alive={"w0": 2, "s1": 2, "s0": 2}), 11.0)  # w0 stops before ready
+    s, effects = advance(s, replace(ready(1), alive={"w0": 2, "s1": 9, "s0": 9}), 15.9)
+    assert not emitted(effects, "hang_detected") and s.phase is Phase.AWAIT_READY
+    s, effects = advance(s, replace(ready(1), alive={"w0": 2, "s1": 10, "s0": 10}), 16.0)
+    [hang] = emitted(effects, "hang_detected")
+    assert (hang["proc"], hang["hung_rank"], hang["phase"], hang["timeout_s"]) == ("w0", 0, "await_ready", 5.0)
+    assert hang["reason"] == "w0 silent (no heartbeat) for 5.0 s while generation 1 recovers (timeout 5 s)"
+    assert Fence("w0") in effects and s.swap.cause == "rank 1 (w1, pid 100) killed by SIGKILL"  # the first cause
+    s, effects = advance(s, killed("w0", pid=41), 16.1)
+    s, effects = advance(s, Inputs(), 17.0)
+    plan = effects[0].plan
+    assert (plan.generation, plan.ranks) == (2, ("s0", "s1"))  # planned from generation 0: both ranks replaced
+    assert effects[1] == Abort(1, plan.reason)
 
 
 # ---- script errors ------------------------------------------------------------------------
