@@ -74,7 +74,7 @@ def verdict(drawn: Drawn, seen: Seen, reference: dict[str, Any]) -> tuple[str, s
             return FAILED, f"expected exit 1 with {drawn.expect!r}; got exit {seen.code}: {error or 'no error'}"
         if _spare_used(seen.events):
             return FAILED, "the script's error was treated as a node failure (a spare was used)"
-        return DOCUMENTED, error.splitlines()[0]
+        return DOCUMENTED, error.splitlines()[0].split(". ")[0]  # its first sentence: the table's cell
     unfired = [f for f in seen.summary.get("faults_not_fired", []) if not f.startswith("fault corrupt_replica")]
     if unfired:
         return FAILED, unfired[0]
