@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos = sub.add_parser("chaos", help="run a matrix of fault scenarios on the example, each against a "
                                          "failure-free run; exit 1 if any ends neither bit for bit nor documented")
-    chaos.add_argument("--out", type=Path, default=None, help="where chaos.md, chaos.json and every run go (default: runs/chaos-DATE-TIME)")
+    chaos.add_argument("--out", type=Path, default=None,
+                       help="where chaos.md, chaos.json and every run go (default: runs/chaos-DATE-TIME)")
     chaos.add_argument("--seed", type=int, default=None,
                        help="draws each scenario's step, phase and ranks (default: a random one, printed)")
     chaos.add_argument("--scenarios", default="all",
