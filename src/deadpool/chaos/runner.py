@@ -191,6 +191,9 @@ def run_scenario(drawn: Drawn, out: Path, steps: int, deadline_s: float) -> Seen
     try:
         if drawn.scenario.action:
             ACTIONS[drawn.scenario.action](drawn, job, seen)
+    except Exception as error:  # the runner's own failure (a command, an event it expected): this row, not all
+        seen.problem = f"the runner could not act: {type(error).__name__}: {error}"
+    try:
         code = job.finish()
     finally:
         left = job.cleanup()
