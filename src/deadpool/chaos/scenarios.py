@@ -44,7 +44,9 @@ CATALOG: tuple[Scenario, ...] = (
     Scenario(name="kill-two", what="SIGKILL ranks {rank} and {other} at once, {phase} of step {step}", plan="kill2",
              phases=STEP_PHASES, spares=2),
     Scenario(name="hang", what="SIGSTOP rank {rank} in {phase} of step {step}", plan="hang", phases=STEP_PHASES),
-    Scenario(name="hang-in-recovery", plan="kill+hang-in-recovery", phases=STEP_PHASES, spares=2,
+    # the kill in the step's own thread: one in a background phase (a snapshot's copy) strikes while the survivors
+    # are already in the next step, which the recovery then names, and the hang planned for this step never fires
+    Scenario(name="hang-in-recovery", plan="kill+hang-in-recovery", phases=TRAINING_PHASES, spares=2,
              what="SIGKILL rank {rank} in {phase} of step {step}, SIGSTOP rank {other} during the recovery"),
     Scenario(name="hung-holder", action="stop-holder", spares=2, slow_s=0.2,
              what="SIGSTOP the spare holding rank {rank}'s replica after commit {step}"),
