@@ -201,9 +201,9 @@ def run_scenario(drawn: Drawn, out: Path, steps: int, deadline_s: float) -> Seen
         seen.notes.append(f"{len(left)} process(es) left running after the job, killed")
     seen.code, seen.events, seen.summary = code, job.events(), _summary(job, code)
     if code is None and not seen.problem:
-        error = seen.summary.get("error")
+        failure = seen.summary.get("error")
         seen.problem = (f"no end within {deadline_s:g} s: killed with every process it started"
-                        + (f"; the job had failed: {error}" if error else ""))
+                        + (f"; the job had failed: {failure}" if failure else ""))
     if drawn.scenario.resume and not seen.problem:
         resumed = Job(out / "resumed", job_argv(drawn, out / "resumed", steps, resume=True),
                       time.monotonic() + deadline_s)
