@@ -1,4 +1,4 @@
-"""`deadpool run | coordinator | agent | demo | bench | simulate`: the parser, and which command runs."""
+"""`deadpool run | coordinator | agent | demo | chaos | bench | simulate`: the parser, and which command runs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from deadpool.chaos.scenarios import NAMES as chaos_names
 from deadpool.errors import ConfigError
 from deadpool.launcher.options import add_job_options, default_out, job_config
 from deadpool.launcher.resume import resume_command
@@ -63,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fail-rank", type=ranks_list, default=None,
                       help="worker(s) to fail at the same point, e.g. 2 or 0,2 (default: a random one)")
     demo.add_argument("--out", type=Path, default=None)
+
+    chaos = sub.add_parser("chaos", help="run a matrix of fault scenarios on the example, each against a "
+                                         "failure-free run; exit 1 if any ends neither bit for bit nor documented")
+    chaos.add_argument("--out", type=Path, default=None,
+                       help="where chaos.md, chaos.json and every run go (default: runs/chaos-DATE-TIME)")
+    chaos.add_argument("--seed", type=int, default=None,
+                       help="draws each scenario's step, phase and ranks (default: a random one, printed)")
+    chaos.add_argument("--scenarios", default="all",
+                       help="all, or names separated by commas, each NAME or NAME@SEED (one scenario's own seed, "
+                            f"as chaos.md shows it): {', '.join(chaos_names)}")
+    chaos.add_argument("--steps", type=int, default=12, help="steps of every job")
+    chaos.add_argument("--deadline", type=float, default=150.0,
+                       help="s each job may take; past it the job and all it started are killed, the scenario FAILED")
 
     status = sub.add_parser("status", help="where a job stands: generation, ranks, spares, commits, recoveries")
     status.add_argument("run_dir", type=Path, help="the job's run directory (--out)")
@@ -174,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             return status_main(args.run_dir, args.json)
         if args.command == "simulate":
             return sim_cli.main(args)
+        if args.command == "chaos":
+            from deadpool.chaos.runner import chaos
+
+            return chaos(args)
         if args.command == "demo":
             from deadpool.demo import demo
 
