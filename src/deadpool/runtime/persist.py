@@ -46,6 +46,7 @@ class Persister:
         self.ctx = ctx
         self.sources = sources
         self.stop = threading.Event()
+        self.writing = threading.Lock()  # an order and the end of training may name the same part at once
         self.thread: threading.Thread | None = None
         if ctx.config.persist_dir:
             import deadpool.disk  # noqa: F401  # now: a SIGTERM's last words may run while the interpreter exits
@@ -53,15 +54,17 @@ class Persister:
             self.thread.start()
 
     def write(self, step: int, ranks: list[int]) -> PersistReport:
-        """Writes these ranks' snapshot `step` as this process's part of checkpoint `step`."""
+        """Writes these ranks' snapshot `step` as this process's part of checkpoint `step` (once: an order and
+        the end of training may ask for the same part at the same time)."""
         from deadpool.disk import Identity, write_part  # torch.distributed.checkpoint: only with a disk tier
 
         ctx, config, start = self.ctx, self.ctx.config, time.monotonic()
         try:
-            snapshots = {rank: copy_out(rank, self.sources(rank), step) for rank in ranks}
-            nbytes = sum(slot.nbytes for slot in snapshots.values())
-            identity = Identity.of(snapshots[ranks[0]].meta, config.workers, config.config_hash())
-            write_part(Path(config.persist_dir), step, ctx.proc, snapshots, identity)
+            with self.writing:
+                snapshots = {rank: copy_out(rank, self.sources(rank), step) for rank in ranks}
+                nbytes = sum(slot.nbytes for slot in snapshots.values())
+                identity = Identity.of(snapshots[ranks[0]].meta, config.workers, config.config_hash())
+                write_part(Path(config.persist_dir), step, ctx.proc, snapshots, identity)
         except Exception as error:  # reported: the coordinator drops this checkpoint, the job goes on
             report = PersistReport(step, ctx.proc, tuple(ranks), ok=False, error=f"{type(error).__name__}: {error}")
             ctx.events.emit("persist_part_failed", step=step, ranks=ranks, error=report.error)
