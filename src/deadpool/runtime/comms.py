@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from deadpool.errors import CollectiveAborted, ConfigError, PeerFailure, UsageError
 from deadpool.runtime.plane import PlaneStore
+from deadpool.runtime.terminate import before_exit
 
 
 def pick_backend(requested: str, device_index: int | None) -> tuple[str, torch.device]:
@@ -162,6 +163,7 @@ def guard_exit() -> None:
         previous_hook(*info)
 
     def leave() -> None:
+        before_exit()  # the launcher gone too: this rank's newest commit to disk first (terminate.py)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

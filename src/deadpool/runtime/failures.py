@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from deadpool.errors import ConfigError, DeadPoolError, PeerFailure, SwapAborted
+from deadpool.runtime.terminate import before_exit
 
 RECOVERABLE = (PeerFailure, SwapAborted)  # what a survivor recovers from on sight; anything else is judged
 ABORT_GRACE_S = 1.0  # an error from outside torch.distributed counts as a failure if the abort comes this soon
@@ -115,6 +116,7 @@ def end_quietly_after_errors() -> None:
 
     def leave() -> None:
         if crashed:
+            before_exit()  # the launcher gone too: this rank's newest commit to disk first (terminate.py)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -5,11 +5,14 @@ leaves a checkpoint that `--resume auto` completes and starts from.
 
 The main thread may be inside a collective (C code, where Python runs no signal handler) for a long time, so
 the work is done by a thread of its own, woken at once through the signal wakeup fd that the C-level handler
-writes to.
+writes to. The main thread may also be ending at that very moment (it lost the coordinator's store too), so
+the exit paths that end a process with os._exit call `before_exit()`: when the launcher is gone, they say the
+last words first.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -21,35 +24,74 @@ from deadpool.runtime.context import Context
 EXIT_CODE = 128 + signal.SIGTERM
 
 
+class LastWords:
+    """A process's last words: said once, by whichever comes first (the SIGTERM thread or an exit path)."""
+
+    def __init__(self, ctx: Context, words: Callable[[], None]) -> None:
+        self.ctx, self.words = ctx, words
+        self.parent = os.getppid()  # once the launcher (or node agent) dies, the process has another parent
+        self.signalled = False
+        self.once = threading.Lock()
+        self.said = threading.Event()
+
+    def due(self) -> bool:
+        return self.signalled or os.getppid() != self.parent
+
+    def say(self) -> None:
+        """Says the last words, bounded by --stop-grace (the process then exits whatever happens); a second
+        caller waits until they are said."""
+        if not self.once.acquire(blocking=False):
+            self.said.wait(self.ctx.config.stop_grace_s)
+            return
+        deadline = threading.Timer(self.ctx.config.stop_grace_s, os._exit, args=(EXIT_CODE,))
+        deadline.daemon = True
+        deadline.start()
+        self.ctx.events.emit("terminated", signal="SIGTERM" if self.signalled else None,
+                             launcher_gone=os.getppid() != self.parent)
+        try:
+            self.words()
+        except Exception as error:  # the disk, or a snapshot that moved on: said, and the process still exits
+            self.ctx.events.emit("last_words_failed", error=f"{type(error).__name__}: {error}")
+        finally:
+            self.said.set()
+
+
+_installed: LastWords | None = None
+
+
 def on_termination(ctx: Context, last_words: Callable[[], None]) -> bool:
-    """Runs `last_words` on SIGTERM, then exits; False (nothing installed) off the main thread."""
+    """Says `last_words` on SIGTERM, then exits 143; False (nothing installed) off the main thread."""
+    global _installed
     if threading.current_thread() is not threading.main_thread():
         return False
+    _installed = LastWords(ctx, last_words)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.signal(signal.SIGTERM, lambda *_: None)  # a Python handler makes the C handler write the wakeup fd
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    threading.Thread(target=_wait, args=(ctx, read_fd, last_words), name="deadpool-terminate", daemon=True).start()
+    threading.Thread(target=_wait, args=(_installed, read_fd), name="deadpool-terminate", daemon=True).start()
+    atexit.register(before_exit)  # a process that ends without os._exit
     return True
 
 
-def _wait(ctx: Context, read_fd: int, last_words: Callable[[], None]) -> None:
+def before_exit() -> None:
+    """Called by the paths that end a process with os._exit: if its launcher is gone (or SIGTERM came), the last
+    words are said now, before the exit, rather than lost with the threads that would have said them."""
+    if _installed is not None and _installed.due():
+        _installed.say()
+
+
+def _wait(last: LastWords, read_fd: int) -> None:
     while signal.SIGTERM not in os.read(read_fd, 64):
         pass
-    deadline = threading.Timer(ctx.config.stop_grace_s, os._exit, args=(EXIT_CODE,))  # bounded, whatever happens
-    deadline.daemon = True
-    deadline.start()
-    # Not a daemon (a thread started by a daemon is one unless told): the main thread may be ending meanwhile (its
-    # store is gone too), and an interpreter that exits waits for this thread before it runs its exit handlers.
-    threading.Thread(target=_last, args=(ctx, last_words), name="deadpool-last-words", daemon=False).start()
+    last.signalled = True
+    # Not a daemon (a thread started by a daemon is one unless told): an interpreter that exits meanwhile
+    # waits for it before it runs its exit handlers.
+    threading.Thread(target=_say_and_exit, args=(last,), name="deadpool-last-words", daemon=False).start()
 
 
-def _last(ctx: Context, last_words: Callable[[], None]) -> None:
-    ctx.events.emit("terminated", signal="SIGTERM")
-    try:
-        last_words()
-    except Exception as error:  # the disk, or a snapshot that moved on: said, and the process still exits
-        ctx.events.emit("last_words_failed", error=f"{type(error).__name__}: {error}")
+def _say_and_exit(last: LastWords) -> None:
+    last.say()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_CODE)
