@@ -80,7 +80,7 @@ def test_optimizer_step_pre_hook_must_return_none():
 
 
 def test_backward_callback_runs_once_after_all_gradients():
-    """Why DataParallel averages gradients from one callback queued by the first gradient hook."""
+    """Why buckets.Reducer ends a pass (last buckets, waits) in one callback queued by its first gradient hook."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     seen: list[list[bool]] = []
     queued = []
@@ -95,6 +95,19 @@ def test_backward_callback_runs_once_after_all_gradients():
         p.register_post_accumulate_grad_hook(on_grad)
     model(torch.ones(2, 3)).sum().backward()
     assert seen == [[True, True, True, True]]
+
+
+def test_each_backward_pass_has_its_own_graph_task_id_and_a_tied_weight_one_hook_call():
+    """Why buckets.Reducer tells passes apart by torch._C._current_graph_task_id() (a pass an exception cut
+    short leaves no flag behind) and counts one post-accumulate call per parameter: a weight used twice
+    (GPT's tied embedding) has its gradients summed before one accumulation."""
+    weight = torch.nn.Parameter(torch.ones(3, 3))
+    calls: list[int] = []
+    weight.register_post_accumulate_grad_hook(lambda _: calls.append(torch._C._current_graph_task_id()))
+    for _ in range(2):
+        (weight @ (weight @ torch.ones(3))).sum().backward()
+    assert len(calls) == 2 and calls[0] != calls[1] and -1 not in calls
+    assert torch._C._current_graph_task_id() == -1  # outside backward
 
 
 def test_creating_adamw_imports_dynamo():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from deadpool.config import Fault
 from deadpool.runtime.loop import CALIBRATION_STEPS
 
-from .conftest import Job, run_job
+from .conftest import SCRIPTS, Job, run_job
 
 
 def assert_same_training(job: Job, reference: Job) -> None:
@@ -54,6 +55,26 @@ def test_two_failures_with_two_spares(tmp_path, reference):
     first, second = job.summary["recoveries"]
     assert (first["failed_rank"], second["failed_rank"]) == (1, 3)
     assert first["replaced"] == {"1": "s1"} and second["replaced"] == {"3": "s0"}
+
+
+def test_a_kill_in_backward_between_two_buckets_is_hot_swapped_bit_for_bit(tmp_path):
+    """Rank 1 dies in backward once the later layers' buckets are launched and before the earlier ones are:
+    the survivors' all-reduces in flight are abandoned with the generation (no wait outlives the abort), and
+    the replay reduces in the same buckets in the same order, bit for bit. Small buckets (50 KB) put the
+    fault point in the middle of the layout (checked below, not assumed)."""
+    def run(name: str, *faults: Fault) -> Job:
+        return run_job(tmp_path / name, steps=8, faults=faults, script=SCRIPTS / "small_buckets.py",
+                       script_prefix=("0.05", str(tmp_path / f"{name}.json")))
+
+    reference = run("reference")
+    job = run("faulty", Fault(kind="kill", rank=1, step=5, phase="backward"))
+    assert_same_training(job, reference)
+    assert job.summary["swaps"] == 1 and job.summary["recoveries"][0]["kill_step"] == 5
+    layout = json.loads((tmp_path / "faulty.json").read_text())
+    buckets, point = layout["buckets"], layout["backward_point"]
+    [where] = [b for b, members in enumerate(buckets) if point in members]
+    assert 0 < where < len(buckets) - 1, f"the fault point's parameter is in bucket {where} of {len(buckets)}"
+    assert all(i > point for bucket in buckets[:where] for i in bucket)  # ready before it: reverse order
 
 
 def test_a_second_kill_in_the_middle_of_a_recovery(tmp_path, reference):

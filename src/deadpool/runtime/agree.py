@@ -29,7 +29,13 @@ def agree_to_stop(member: Member, requested: bool, steps: int | None) -> bool:
 
     The same all-reduce checks that every rank runs to the same `steps` (its maximum and minimum): a rank
     that ended earlier than its peers would leave them waiting on it, and the rank that waited would be
-    taken for hung. A UsageError names the disagreement instead, on every rank at the first step."""
+    taken for hung. A UsageError names the disagreement instead, on every rank at the first step.
+
+    It stays a collective of its own instead of riding on the gradients' last bucket: a rank may call
+    stop() after backward (on the step's loss, after the optimizer step), which a bucket launched during
+    backward cannot carry without stopping a step late; a step may run no backward at all, or several of
+    which only the last reduces; and a float sum inside the last bucket would change that bucket's length,
+    so where gloo's ring cuts it, and so the bits of the gradients beyond 2 ranks."""
     limit = UNLIMITED if steps is None else steps
     flags = torch.tensor([int(requested), limit, -limit], dtype=torch.int64, device=member.device)
     _all_reduce_max(member, flags, "stop", "the stop agreement")

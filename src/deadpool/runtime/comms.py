@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool.errors import CollectiveAborted, ConfigError, PeerFailure, UsageError
+from deadpool.runtime.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Reducer, bucket_layout
 from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.terminate import before_exit
 
@@ -210,29 +211,31 @@ def leave_group() -> None:
 
 class DataParallel(torch.nn.Module):
     """Data parallelism that survives a change of process group: what DistributedDataParallel does
-    for the user (start from rank 0's weights, average gradients when backward ends, skip that inside
-    `no_sync()` or while `require_backward_grad_sync` is False), without it.
+    for the user (start from rank 0's weights, average gradients in buckets while backward runs, skip that
+    inside `no_sync()` or while `require_backward_grad_sync` is False), without it.
 
     torch's DDP keeps its process group alive after the DDP object is deleted (its sockets stay
     open), so a survivor blocked on a dead group would not be released by its peers; its bucket
     rebuild also changes the reduction layout after the first step, so a fresh DDP would not
-    reproduce a replayed step bit for bit. Here the layout is the parameter order, always.
+    reproduce a replayed step bit for bit. Here the layout is fixed at construction (runtime/buckets.py).
+    `bucket_cap_mb` is DDP's: without it the first bucket holds 1 MiB and the others 25 MiB.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float | None = None) -> None:
         super().__init__()
         self.module = module
         self.attached = False
         self.interrupted: Callable[[], bool] = lambda: False  # this generation's abort check (attach sets it)
         self.timeout_s = 60.0  # the collective timeout (attach sets it)
         self.waiting: Callable[[str], ContextManager[None]] = lambda _: nullcontext()
-        self._queued = False
         self.require_backward_grad_sync = True  # DDP's switch for gradient accumulation, which scripts set
-        for p in self._params():
-            p.register_post_accumulate_grad_hook(self._on_grad)
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = BUCKET_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
+        layout = bucket_layout([(p.numel() * p.element_size(), p.dtype) for p in params],
+                               FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap, cap)
+        self.reducer = Reducer(params, layout, self._all_reduce, self._wait)
+        for index, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, index))
 
     def attach(self, sync: bool, interrupted: Callable[[], bool],
                waiting: Callable[[str], ContextManager[None]], timeout_s: float) -> None:
@@ -240,6 +243,7 @@ class DataParallel(torch.nn.Module):
         `timeout_s`); `waiting` marks the waits on peers. `sync` first copies rank 0's weights and buffers
         everywhere (job start only: after a recovery every rank restored the same state)."""
         self.attached, self.interrupted, self.waiting, self.timeout_s = True, interrupted, waiting, timeout_s
+        self.reducer.world_size = dist.get_world_size()
         if sync:
             with waiting("broadcast"):
                 for t in (*self.module.parameters(), *self.module.buffers()):
@@ -248,6 +252,7 @@ class DataParallel(torch.nn.Module):
 
     def detach(self) -> None:
         self.attached = False
+        self.reducer.forget()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -265,26 +270,17 @@ class DataParallel(torch.nn.Module):
                              "where DeadPool attaches it to the process group")
         return self.module(*args, **kwargs)
 
-    def _on_grad(self, _param: torch.Tensor) -> None:
-        # The first gradient of a backward pass queues one averaging step for when the pass ends.
-        if self.attached and self.require_backward_grad_sync and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
+    def _on_grad(self, index: int, _param: torch.Tensor) -> None:
+        # A micro-step under no_sync (or with require_backward_grad_sync False) only accumulates: the hooks of
+        # the pass that follows it see the accumulated gradients and reduce them.
+        if self.attached and self.require_backward_grad_sync:
+            self.reducer.ready(index)
 
-    def _average_gradients(self) -> None:
-        """One all-reduce per dtype over the gradients flattened in parameter order (a missing one counts as
-        zero), each multiplied by 1/world size first: DDP's arithmetic, so two ranks give DDP's bits exactly."""
-        self._queued = False
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in self._params():
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for params in by_dtype.values():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / dist.get_world_size())
-            with self.waiting("all_reduce"):
-                collective(partial(dist.all_reduce, flat, async_op=True), self.interrupted, self.timeout_s,
-                           "the gradient all-reduce")
-            offset = 0
-            for p, g in zip(params, grads):
-                p.grad = flat[offset: offset + g.numel()].view_as(g)
-                offset += g.numel()
+    def _all_reduce(self, flat: torch.Tensor) -> Any:
+        with communicating("the gradient all-reduce"):
+            return dist.all_reduce(flat, async_op=True)
+
+    def _wait(self, works: list[Any]) -> None:
+        with self.waiting("all_reduce"), communicating("the gradient all-reduce"):
+            for work in works:
+                finish(work, self.interrupted, self.timeout_s)

@@ -133,8 +133,9 @@ class Session:
         """Where this rank's model and batches live: its GPU, or the CPU."""
         return self.member.device
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Use instead of DistributedDataParallel(model): the returned module survives group rebuilds.
+    def wrap(self, model: torch.nn.Module, bucket_cap_mb: float | None = None) -> torch.nn.Module:
+        """Use instead of DistributedDataParallel(model): the returned module survives group rebuilds, and
+        reduces gradients in buckets of DDP's sizes (`bucket_cap_mb` as DDP's) while backward runs.
 
         A model sharded with FSDP2 (`fully_shard(model)` last, on the root) is returned as it is: FSDP
         keeps communicating itself, and DeadPool rebinds it to each new generation's group."""
@@ -146,7 +147,7 @@ class Session:
             member.model.middle().register_forward_hook(loop.mark_backward)
             return model
         model.to(member.device)
-        member.model = DataParallel(model)
+        member.model = DataParallel(model, bucket_cap_mb)
         member.engine.replicated = True  # every rank's parameters and optimizer state must stay identical
         member.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         params = [p for p in model.parameters() if p.requires_grad]
