@@ -74,20 +74,21 @@ def look_for_hangs(s: State, beats: Mapping[str, Heartbeat], now: float, out: li
 
 
 def look_for_silence(s: State, alive: Mapping[str, int], now: float, out: list[Effect]) -> State:
-    """Notes every beacon that moved (in every phase); fences the idle spares whose beacon has been still for
-    the silence timeout (steady), and, during a recovery, any process of the plan whose beacon has been still
-    for the longer of the silence and hang timeouts (hangs.silent_processes says why both)."""
+    """Notes every beacon that moved (in every phase); fences the idle spares (steady), and during a recovery
+    any process of the plan, whose beacon has been still for the longer of the silence and hang timeouts. A
+    spare is judged like a rank in its set-up, not by the silence timeout alone: it imports, runs the script's
+    warm-up and starts its receivers while it idles, and may hold the GIL for seconds then (on a loaded machine
+    a spare starting up went 1.5 s without a beat)."""
     seen = dict(s.alive)
     for proc, beats in alive.items():
         if proc not in seen or seen[proc].beats != beats:
             seen[proc] = Alive(beats, now)
     s = replace(s, alive=seen)
+    limit = max(s.config.silence_timeout_s, _timeout(s).value or 0.0)
     if s.phase is Phase.STEADY:
-        judged, limit, during = s.plan.spares, s.config.silence_timeout_s, "while holding replicas"
+        judged, during = s.plan.spares, "while holding replicas"
     elif s.phase in RECOVERING:
-        judged = (*s.plan.ranks, *s.plan.spares)
-        limit = max(s.config.silence_timeout_s, _timeout(s).value or 0.0)
-        during = f"while generation {s.plan.generation} recovers"
+        judged, during = (*s.plan.ranks, *s.plan.spares), f"while generation {s.plan.generation} recovers"
     else:
         return s
     gone = s.fenced | s.lost | s.finished

@@ -293,9 +293,9 @@ def test_no_hang_is_looked_for_until_every_rank_has_a_heartbeat():
 
 # ---- silent processes: idle spares, and anyone during a recovery -------------------------------
 
-def test_a_silent_spare_is_fenced_after_the_silence_timeout_and_its_replicas_placed_anew():
+def test_a_silent_spare_is_fenced_after_the_longer_timeout_and_its_replicas_placed_anew():
     """A SIGSTOPped holder: the ranks replicating to it would block at their next copy until it woke."""
-    s = started(replace(CONFIG, silence_timeout_s=2.0))
+    s = started(replace(CONFIG, silence_timeout_s=2.0, hang_timeout_s=1.0))
     s, _ = advance(s, replace(durable(s, 0, 1), alive={"w0": 1, "w1": 1, "s0": 0}), 1.0)  # s0 still importing
     s, effects = advance(s, Inputs(alive={"w0": 9, "w1": 9, "s0": 0}), 50.0)
     assert not emitted(effects, "hang_detected")  # a process that never beat is not judged: its exit tells
@@ -315,6 +315,16 @@ def test_a_silent_spare_is_fenced_after_the_silence_timeout_and_its_replicas_pla
     plan = effects[0].plan  # it held both ranks' replicas: a new generation places them (on the peers)
     assert (plan.generation, plan.ranks, plan.spares, plan.holders) == (1, ("w0", "w1"), (), (("w1",), ("w0",)))
     assert s.phase is Phase.AWAIT_READY
+
+
+def test_a_spare_in_its_own_set_up_is_given_the_hang_timeout_not_the_silence_timeout_alone():
+    """A spare imports and runs the script's warm-up while it idles: a GIL held for seconds is not a hang."""
+    s = started(replace(CONFIG, silence_timeout_s=1.5, hang_timeout_s=5.0))
+    s, _ = advance(s, replace(durable(s, 0, 1), alive={"w0": 1, "w1": 1, "s0": 1}), 1.0)
+    s, effects = advance(s, Inputs(alive={"w0": 9, "w1": 9, "s0": 1}), 5.9)
+    assert not emitted(effects, "hang_detected")
+    s, effects = advance(s, Inputs(alive={"w0": 10, "w1": 10, "s0": 1}), 6.1)
+    assert [h["proc"] for h in emitted(effects, "hang_detected")] == ["s0"]
 
 
 def test_a_process_silent_during_a_recovery_is_fenced_after_the_hang_timeout_and_planned_with_the_first():
