@@ -73,4 +73,5 @@ def test_under_torchrun_a_failure_ends_the_job_saying_why(tmp_path: Path) -> Non
     _, summary = run_plain(tmp_path, TORCHRUN, "--nproc-per-node", "2", SCRIPTS / "kill_rank_one.py", code=1)
     assert summary["exit_code"] == 1 and summary["swaps"] == 0
     assert summary["error"].startswith("rank 1 (w1, pid ")
-    assert "no spare is left in the pool" in summary["error"]
+    # torchrun stops rank 0 as well: seen in the same settle window, rank 1's only holder is lost with it
+    assert "no spare is left in the pool" in summary["error"] or "is lost too" in summary["error"]

@@ -164,7 +164,7 @@ def guard_exit() -> None:
         previous_hook(*info)
 
     def leave() -> None:
-        before_exit()  # the launcher gone too: this rank's newest commit to disk first (terminate.py)
+        before_exit()  # last words if the launcher is gone, and what must run at any exit (terminate.py)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

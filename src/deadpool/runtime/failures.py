@@ -116,7 +116,7 @@ def end_quietly_after_errors() -> None:
 
     def leave() -> None:
         if crashed:
-            before_exit()  # the launcher gone too: this rank's newest commit to disk first (terminate.py)
+            before_exit()  # last words if the launcher is gone, and what must run at any exit (terminate.py)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

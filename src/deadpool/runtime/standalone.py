@@ -19,7 +19,6 @@ With no spare, a failure ends the job, as it would under torchrun.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import secrets
@@ -50,6 +49,7 @@ from deadpool.launcher.inprocess import HostedJob
 from deadpool.protocol.secret import ENV_SECRET, find_secret, new_secret, read_secret, write_secret
 from deadpool.protocol.store import StoreClient
 from deadpool.runtime.context import wait_for_key
+from deadpool.runtime.terminate import at_exit
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 CONNECT_S = 60.0  # how long a rank waits for rank 0's secret and store (JobConfig's connect timeout)
@@ -140,9 +140,8 @@ def join() -> None:
     client = StoreClient(config.store_host, config.store_port, read_secret(config.secret_file), CONNECT_S)
     client.set(keys.node_pid(proc), str(os.getpid()))
     terminated = _exit_on_sigterm()
-    atexit.register(_exit, lambda code: client.set(keys.exited(proc), json.dumps({"code": code,
-                                                                                  "pid": os.getpid()})),
-                    hosted, config, terminated)
+    report = lambda code: client.set(keys.exited(proc), json.dumps({"code": code, "pid": os.getpid()}))  # noqa: E731
+    at_exit(lambda: _exit(report, hosted, config, terminated))
     identity = {ENV_CONFIG: str(Path(config.run_dir) / "config.json"), ENV_PROC: proc, ENV_ROLE: "worker",
                 ENV_DEVICE: "" if gpu is None else str(gpu),
                 **torchrun_env(shape.rank, shape.world_size, config.nproc_per_node, gpu)}
@@ -158,7 +157,7 @@ def _host(shape: Shape, gpu: int | None) -> tuple[JobConfig, HostedJob]:
     secret = find_secret(None) if os.environ.get(ENV_SECRET) else new_secret()
     path = write_secret(secret_file(shape, run_dir), secret)
     if shape.torchrun and not os.environ.get(ENV_SECRET):
-        atexit.register(path.unlink, missing_ok=True)  # the other ranks read it at start; nobody needs it after
+        at_exit(lambda: path.unlink(missing_ok=True))  # the other ranks read it at start; nobody needs it after
     host, port = store_address(shape)
     config = JobConfig(script=str(Path(sys.argv[0]).resolve()), script_args=tuple(sys.argv[1:]),
                        workers=shape.world_size, run_dir=str(run_dir), store_host=host, store_port=port,

@@ -57,6 +57,16 @@ class LastWords:
 
 
 _installed: LastWords | None = None
+_finally: list[Callable[[], None]] = []  # at_exit's functions, each run once
+
+
+def at_exit(function: Callable[[], None]) -> None:
+    """Runs `function` as the process ends, also when it ends with os._exit: DeadPool's exit paths that skip
+    the interpreter's finalization (failures.end_quietly_after_errors, comms.guard_exit) call before_exit()
+    first. A plain atexit handler registered before those would never run after an uncaught exception."""
+    if not _finally:
+        atexit.register(before_exit)
+    _finally.append(function)
 
 
 def on_termination(ctx: Context, last_words: Callable[[], None]) -> bool:
@@ -79,6 +89,8 @@ def before_exit() -> None:
     words are said now, before the exit, rather than lost with the threads that would have said them."""
     if _installed is not None and _installed.due():
         _installed.say()
+    while _finally:
+        _finally.pop(0)()
 
 
 def _wait(last: LastWords, read_fd: int) -> None:
