@@ -180,6 +180,7 @@ class StepLoop:
         # it with dist.destroy_process_group(), as after DDP. Failures from here on are not recovered.
         member.engine.stop()
         member.held.stop()  # the last snapshot is committed: every holder has acknowledged every rank's copy
+        member.persister.close()  # its part of the last commit is written: no more orders to look for
 
     # ---- failures ------------------------------------------------------------------------
 
