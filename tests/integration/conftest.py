@@ -44,6 +44,21 @@ def no_leaked_processes():
     assert not leaked, f"test leaked child processes {sorted(leaked)}"
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read().lower()
+    except FileNotFoundError:
+        return False
+
+
+def job_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The events a job has written so far (none before its events file exists)."""
+    path = run_dir / "events.jsonl"
+    return list(read_events(path)) if path.exists() else []
+
+
 class Job:
     """The outcome of one finished job: exit code, summary, and its events."""
 

@@ -11,12 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, run_job
-
-
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+from .conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, alive, job_events, run_job
 
 
 def _launch(run_dir: Path, persist: Path, *more: str) -> subprocess.Popen:
@@ -29,7 +24,7 @@ def _launch(run_dir: Path, persist: Path, *more: str) -> subprocess.Popen:
 
 def _wait_for_step(run_dir: Path, step: int, launcher: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while not any(e["event"] == "commit" and e["step"] >= step for e in _events(run_dir)):
+    while not any(e["event"] == "commit" and e["step"] >= step for e in job_events(run_dir)):
         assert launcher.poll() is None and time.monotonic() < deadline, "the job ended or stalled before the step"
         time.sleep(0.05)
 
@@ -59,7 +54,7 @@ def test_sigterm_persists_the_newest_commit_and_resume_is_bit_for_bit(tmp_path, 
     assert launcher.returncode == 143, output
     assert "to go on: deadpool run --resume auto" in output
     summary = json.loads((first / "summary.json").read_text())
-    stopped = [e for e in _events(first) if e["event"] == "job_stopped"][-1]
+    stopped = [e for e in job_events(first) if e["event"] == "job_stopped"][-1]
     assert summary["stopped_by"] == "SIGTERM" and stopped["persisted"] == stopped["committed"] >= 4
     assert summary["checkpoints"][-1]["step"] == stopped["persisted"]
     _resumed_matches_reference(tmp_path / "second", persist, reference, stopped["persisted"])
@@ -72,18 +67,18 @@ def test_a_lost_coordinator_leaves_a_checkpoint_that_resume_completes(tmp_path, 
     launcher = _launch(first, persist, "--persist-every", "1000")  # no checkpoint but the ranks' own last words
     try:
         _wait_for_step(first, 5, launcher)
-        pids = {e["proc"]: e["pid"] for e in _events(first) if e["event"] == "process_start"}
+        pids = {e["proc"]: e["pid"] for e in job_events(first) if e["event"] == "process_start"}
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(30)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in pids.values()):
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and alive(p) for p in pids.values()):
             time.sleep(0.1)
-        assert not [p for p in pids.values() if _alive(p)], "a training process outlived its launcher"
+        assert not [p for p in pids.values() if alive(p)], "a training process outlived its launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
-    written = [e for e in _events(first) if e["event"] == "persist_part"]
+    written = [e for e in job_events(first) if e["event"] == "persist_part"]
     steps = {r: {e["step"] for e in written if e["ranks"] == [r]} for r in range(4)}
     assert all(steps.values()), steps  # every rank wrote its part on its way out
     newest = max(set.intersection(*steps.values()))  # the newest step every rank wrote
@@ -129,11 +124,3 @@ def test_resuming_from_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_pa
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1 and "world size" in err[0], err
     assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return "zombie" not in status.read().lower()
-    except FileNotFoundError:
-        return False

@@ -16,7 +16,7 @@ from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
 from deadpool.launcher.launch import launch
 
-from .conftest import REPO, SMALL, TRAIN, Background
+from .conftest import REPO, SMALL, TRAIN, Background, alive, job_events
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):
@@ -75,11 +75,11 @@ def test_a_launcher_that_is_stopped_takes_its_processes_with_it(tmp_path, how, c
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline, started = time.monotonic() + 120, {}
-        while time.monotonic() < deadline and not any(e["event"] == "step" for e in _events(out)):
+        while time.monotonic() < deadline and not any(e["event"] == "step" for e in job_events(out)):
             time.sleep(0.1)
-        started = {e["proc"]: e["pid"] for e in _events(out) if e["event"] == "process_start"}
+        started = {e["proc"]: e["pid"] for e in job_events(out) if e["event"] == "process_start"}
         assert sorted(started) == ["s0", "w0", "w1"]
-        [start] = [e for e in _events(out) if e["event"] == "job_start"]
+        [start] = [e for e in job_events(out) if e["event"] == "job_start"]
         joiner = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
                                  f"127.0.0.1:{start['port']}", "--spare", "--secret-file", str(out / "secret")],
                                 capture_output=True, text=True, timeout=60)
@@ -87,25 +87,11 @@ def test_a_launcher_that_is_stopped_takes_its_processes_with_it(tmp_path, how, c
         launcher.send_signal(how)
         assert launcher.wait(30) == code
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and [p for p in started.values() if _alive(p)]:
+        while time.monotonic() < deadline and [p for p in started.values() if alive(p)]:
             time.sleep(0.1)
-        assert not [p for p in started.values() if _alive(p)]
+        assert not [p for p in started.values() if alive(p)]
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
 
-
-def _events(out):
-    import json
-
-    path = out / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return "zombie" not in status.read().lower()
-    except FileNotFoundError:
-        return False
