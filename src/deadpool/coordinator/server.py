@@ -1,13 +1,15 @@
 """The coordinator's shell: reads each tick's inputs from the processes and the store, calls machine.advance
 with the clock, and applies the effects it returns, in order. Every decision is in machine.py (pure, its
-state diagram there); this is the only coordinator module that does I/O. It never imports torch: the store it
-is given is any object with the TCPStore methods it calls.
+state diagram there); this is the only coordinator module that does I/O. It imports torch only with a disk
+tier (deadpool.disk assembles checkpoints); the store it is given is any object with the TCPStore methods it calls.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,6 +78,9 @@ class Coordinator:
         self.status_path = Path(config.run_dir) / "status.json"
         self.terminate = False  # set by the launcher's SIGTERM handler: the machine persists, then stops
         self.finalized: dict[int, bool] = {}  # checkpoints assembled since the last tick
+        if config.persist_dir:  # torch's checkpoint modules take seconds to import: now, not at the first SIGTERM
+            threading.Thread(target=importlib.import_module, args=("deadpool.disk",), name="deadpool-import",
+                             daemon=True).start()
 
     def request_stop(self) -> None:
         """SIGTERM: the next tick persists the newest commit and stops the job (machine._stopping)."""
