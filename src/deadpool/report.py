@@ -54,7 +54,7 @@ def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, A
         "replaced": done["replaced"],
         "kill_step": fault_step,
         "restored_step": target,
-        "steps_replayed": max(0, fault_step - 1 - target),
+        "steps_replayed": max(0, fault_step - 1 - (0 if target is None else target)),  # None: began afresh
         # a hang is detected when the verdict falls, counted from the rank's last progress
         "detect_s": (hang["verdict_t"] - hang["last_progress_t"]) if hang else t_detect - t_fail,
         "decide_s": published[0]["t"] - t_detect if published else None,

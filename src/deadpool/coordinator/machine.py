@@ -62,6 +62,8 @@ from deadpool.coordinator.status import Recovery
 from deadpool.coordinator.transitions import drop_joining, end, fail, publish, terminated, with_status
 
 State = CoordinatorState
+FRESH_START = ("nothing was committed yet (a death in start-up): every rank begins afresh, from the script's own "
+               "initial state, as at the job's start")
 
 
 def start(config: JobConfig) -> tuple[State, tuple[Effect, ...]]:
@@ -248,6 +250,10 @@ def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
 
 def _choose_target(s: State, holdings: Mapping[int, list[int]], now: float, out: list[Effect]) -> State:
     gen = s.plan.generation
+    if s.committed is None:  # a death in start-up: no step ran anywhere, so nothing is lost by starting again
+        decided = dict(target=None, reason=FRESH_START, holdings=dict(holdings), from_disk=False)
+        out += [Emit("restore_decided", decided), WriteCommit(gen, None, ()), WriteTarget(gen, None)]
+        return replace(s, phase=Phase.AWAIT_RESUMED, deadline=now + s.config.recovery_timeout_s)
     decision = choose_restore_step(s.committed, holdings)
     from_disk = decision.value is None and s.persisted is not None  # memory first, disk second, in one recovery
     if from_disk:
@@ -288,7 +294,8 @@ def _swapped(s: State, swap: Swap, now: float, out: list[Effect]) -> State:
                                           failed=[asdict(f) for f in swap.failed],
                                           hang=asdict(swap.hang) if swap.hang else None,
                                           detected_t=swap.detected_t, detect_to_resume_s=took)))
-    out.append(Say(f"generation {gen} running: restored step {target}; "
+    restored = "began afresh" if target is None else f"restored step {target}"
+    out.append(Say(f"generation {gen} running: {restored}; "
                    + ", ".join(f"{p} is now rank {r}" for r, p in replaced.items())
                    + f" ({took:.2f} s after detection)"))
     done = Recovery(gen, cause, target, took, {str(r): p for r, p in replaced.items()})

@@ -188,7 +188,7 @@ class WriteCommit:
 @dataclass(frozen=True)
 class WriteTarget:
     gen: int
-    step: int
+    step: int | None  # None: nothing was committed yet, every rank begins afresh (loop._begin)
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,24 @@ def test_no_intact_snapshot_to_restore_fails_the_job():
     assert emitted(effects, "job_failed")[0]["reason"].startswith("cannot recover from memory: no snapshot")
 
 
+def test_a_death_before_the_first_commit_makes_every_rank_begin_afresh():
+    s = started()  # nothing committed yet: the ranks are still setting up
+    s, _ = advance(s, killed("w1", pid=42), 1.0)
+    s, effects = advance(s, Inputs(), 1.1)
+    assert effects[0].plan.ranks == ("w0", "s0") and s.phase is Phase.AWAIT_READY
+    s, effects = advance(s, ready(0, 1, steps=()), 2.0)  # nobody holds a snapshot
+    assert kinds(effects) == ["restore_decided", "WriteCommit", "WriteTarget", "PublishStatus"]
+    assert effects[1:3] == (WriteCommit(1, None, ()), WriteTarget(1, None))
+    assert emitted(effects, "restore_decided")[0]["target"] is None
+    assert "every rank begins afresh" in emitted(effects, "restore_decided")[0]["reason"]
+    assert (s.phase, s.committed) == (Phase.AWAIT_RESUMED, None)
+    s, effects = advance(s, Inputs(resumed=frozenset({0, 1})), 3.0)
+    assert emitted(effects, "swap_complete")[0]["restored_step"] is None and effects[-2] == MarkRunning(1)
+    assert "generation 1 running: began afresh; s0 is now rank 1" in effects[1].text
+    s, effects = advance(s, durable(s, 0), 4.0)  # the new generation commits its snapshot 0
+    assert effects[0] == WriteCommit(1, 0, ()) and s.committed == 0
+
+
 def test_a_failure_during_a_recovery_is_planned_with_the_first_as_one_set():
     s = started(replace(CONFIG, spares=2))
     s = recovering(s, "w1", 10.0)
