@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from deadpool.config import Fault
+
 from .conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, alive, job_events, run_job
 
 
@@ -124,3 +126,30 @@ def test_resuming_from_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_pa
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1 and "world size" in err[0], err
     assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
+
+
+def test_a_holder_killed_as_it_hands_a_replica_over_leaves_its_taker_free_to_restore_from_disk(tmp_path, reference):
+    """Ranks 0 and 3 die together; their holder s0 takes rank 0 and starts streaming rank 3's replica to s1,
+    and dies then (a planned fault), with s1 waiting for the stream. The abort releases s1; no copy of ranks 0
+    and 3 is left in memory, so s1 and s2 take them from the newest checkpoint, every rank restores it in
+    place, and the run is bit for bit the reference."""
+    job = Background(tmp_path / "run", spares=3, persist_dir=str(tmp_path / "ckpt"), persist_every=2,
+                     faults=(Fault(kind="kill", rank=3, step=0, phase="handover"),),
+                     script=SCRIPTS / "slow_steps.py", script_prefix=("0.4",))  # time to act after a checkpoint
+    job.wait_for(lambda e: e["event"] == "checkpoint_persisted" and e["step"] >= 2)
+    plan = [e for e in job.events() if e["event"] == "plan_published"][-1]
+    assert plan["holders"][0] == plan["holders"][3] == ["s0"]
+    for pid in (job.pid("w0"), job.pid("w3")):
+        os.kill(pid, signal.SIGKILL)
+    done = job.join()
+    assert done.code == 0, done.summary["error"]
+    [fault] = done.named("fault_injected")
+    assert (fault["proc"], fault["target_rank"], fault["phase"]) == ("s0", 3, "handover")
+    assert [(e["proc"], e["of_rank"]) for e in done.named("transfer_failed")] == [("s1", 3)]  # released
+    [decided] = done.named("restore_decided")
+    assert decided["from_disk"] and [r["replaced"] for r in done.summary["recoveries"]] == [{"0": "s1", "3": "s2"}]
+    assert sorted(e["restored_step"] for e in done.named("recovered")) == [decided["target"]] * 4
+    spawned = {e["proc"]: e["pid"] for e in done.named("process_spawned")}
+    finished = {e["rank"]: e["pid"] for e in done.named("finished")}
+    assert [finished[r] for r in (1, 2)] == [spawned["w1"], spawned["w2"]]  # the survivors kept their processes
+    assert done.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
