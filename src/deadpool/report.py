@@ -166,7 +166,7 @@ def summarize(path: Path, exit_code: int, faults: tuple[Fault, ...] = ()) -> dic
 
 
 def disk_tier(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoints written, the one this job resumed from, and whether a SIGTERM stopped it."""
+    """The checkpoints written, the one this job resumed from, and what stopped it after persisting."""
     resumed = next((e for e in events if e["event"] == "resumed_from_disk"), None)
     stopped = next((e for e in events if e["event"] == "job_stopped"), None)
     return {
@@ -176,5 +176,5 @@ def disk_tier(events: list[dict[str, Any]]) -> dict[str, Any]:
         "persist_failures": [{"step": e["step"], "reason": e["reason"]} for e in events
                              if e["event"] == "persist_failed"],
         "resumed_from": {"step": resumed["step"], "path": resumed["path"]} if resumed else None,
-        "stopped_by": stopped["signal"] if stopped else None,
+        "stopped_by": stopped["by"] if stopped else None,  # "SIGTERM" or "no spare"
     }

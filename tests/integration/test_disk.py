@@ -128,6 +128,25 @@ def test_resuming_from_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_pa
     assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
 
 
+def test_with_no_spare_left_the_newest_commit_is_persisted_and_the_command_to_go_on_printed(tmp_path):
+    """Rank 1 dies and no spare is left: the newest commit is written first (rank 1's part by w0, which holds
+    its replica), then the job stops naming it, and `deadpool run` prints the command that goes on."""
+    persist, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    argv = ["run", "--workers", "2", "--persist-dir", str(persist), "--persist-every", "1000", "--fault",
+            "kill:1:3:step_start", "--out", str(run_dir), str(TRAIN), "--steps", "4", *SMALL]
+    out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", *argv], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    events = job_events(run_dir)
+    [stopped] = [e for e in events if e["event"] == "job_stopped"]
+    step = max(e["step"] for e in events if e["event"] == "commit")
+    assert out.returncode == 1 and (stopped["by"], stopped["persisted"], stopped["committed"]) == ("no spare", step,
+                                                                                                 step)
+    assert f"Step {step} is on disk in {persist}; go on from it with the same command and --resume auto." in out.stderr
+    assert f"[deadpool] to go on: deadpool run --resume auto {' '.join(argv[1:])}\n" in out.stdout
+    assert {(e["proc"], tuple(e["ranks"])) for e in events if e["event"] == "persist_part"} == {("w0", (0, 1))}
+    assert [e["step"] for e in events if e["event"] == "checkpoint_persisted"] == [step]
+
+
 def test_a_holder_killed_as_it_hands_a_replica_over_leaves_its_taker_free_to_restore_from_disk(tmp_path, reference):
     """Ranks 0 and 3 die together; their holder s0 takes rank 0 and starts streaming rank 3's replica to s1,
     and dies then (a planned fault), with s1 waiting for the stream. The abort releases s1; no copy of ranks 0

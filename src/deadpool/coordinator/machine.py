@@ -221,17 +221,14 @@ def _diverged(s: State, divergence: Divergence, reason: str, out: list[Effect]) 
 
 
 def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
-    """SIGTERM (a scheduler's stop): the newest commit goes to disk first, within --stop-grace, then the job
-    stops with 143, saying how to go on. Training goes on meanwhile; a failure meanwhile is not recovered."""
-    config, since = s.config, s.stopping_t if s.stopping_t is not None else now
-    if s.stopping_t is None:
-        s = replace(s, stopping_t=now)
+    """The newest commit goes to disk first, within --stop-grace (persist.stop), then the job stops, saying how
+    to go on: on SIGTERM (a scheduler's stop; exit 143, training goes on meanwhile), or when a lost rank has
+    no spare to take it (pool.decide; exit 1). A failure meanwhile is not recovered."""
+    config = s.config
+    if s.stopping_t is None:  # SIGTERM, in this tick
         out.append(Emit("stop_requested", dict(signal="SIGTERM", committed=s.committed, persisted=s.persisted)))
-        in_flight = s.persisting is not None and s.persisting.step == s.committed
-        if config.persist_dir and s.committed is not None and s.committed != s.persisted and not in_flight:
-            out.append(Say(f"SIGTERM: writing step {s.committed} to {config.persist_dir} before stopping "
-                           f"(--stop-grace {config.stop_grace_s:g} s)"))
-            s = persist.order(s, s.committed, "the job is stopping (SIGTERM)", now, out)
+        s = persist.stop(s, "SIGTERM", s.plan, now, out)
+    since = s.stopping_t if s.stopping_t is not None else now
     if s.persisting is not None:
         s = persist.tick(s, inputs, now, out, may_order=False)
     if s.persisting is not None and now < since + config.stop_grace_s:

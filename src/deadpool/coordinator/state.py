@@ -294,5 +294,6 @@ class CoordinatorState:
     persisted: int | None = None        # the newest step complete on disk (a resumed job's: the one it resumed)
     commits_since_persist: int = 0
     persisted_t: float | None = None    # when the last checkpoint completed (or the first commit came)
-    stopping_t: float | None = None     # SIGTERM arrived: the job persists its newest commit and stops
+    stopping_t: float | None = None     # SIGTERM arrived (or no spare is left): the job persists, then stops
+    stop_failure: str | None = None     # stopping because the job cannot go on (no spare left): why
     last_try: bool = False              # stopping: the parts on disk are being assembled one last time
