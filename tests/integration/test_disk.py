@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,18 +115,22 @@ def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_pat
 
 
 def test_resuming_from_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_path):
-    """A checkpoint of four ranks does not fit a job of two: exit 2, one line naming the difference, the
-    checkpoint untouched."""
+    """A checkpoint of two ranks does not fit a job of four (the launcher refuses it), nor a model of other shapes
+    (the ranks refuse it, before they load it): exit 2, one line naming the difference, the checkpoint untouched."""
     persist = tmp_path / "ckpt"
     job = run_job(tmp_path / "first", steps=2, workers=2, spares=0, persist_dir=str(persist), persist_every=1)
     assert job.code == 0 and job.summary["checkpoints"]
     before = {p: p.stat().st_mtime_ns for p in persist.rglob("*")}
-    out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "4", "--resume", "auto",
-                          "--persist-dir", str(persist), "--out", str(tmp_path / "second"), str(TRAIN), "--steps", "4",
-                          *SMALL], cwd=REPO, capture_output=True, text=True, timeout=60)
-    err = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(err) == 1 and "world size" in err[0], err
-    assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
+    narrower = tuple("32" if a == "64" else a for a in SMALL)  # --n-embd 32
+    for workers, model, says in (("4", SMALL, r"world size 2 in the checkpoint, 4 now"),
+                                 ("2", narrower, r"it holds the state of another job \(model\.\S+ has shape "
+                                                 r"\[(\d+, )*64\] in the checkpoint, \[(\d+, )*32\] now")):
+        out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", workers, "--resume",
+                              "auto", "--persist-dir", str(persist), "--out", str(tmp_path / f"second-{workers}"),
+                              str(TRAIN), "--steps", "4", *model], cwd=REPO, capture_output=True, text=True, timeout=60)
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1 and re.search(says, err[0]), err
+        assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
 
 
 def test_with_no_spare_left_the_newest_commit_is_persisted_and_the_command_to_go_on_printed(tmp_path):

@@ -59,7 +59,7 @@ from deadpool.coordinator.state import (
     WriteTarget,
 )
 from deadpool.coordinator.status import Recovery
-from deadpool.coordinator.transitions import drop_joining, end, fail, publish, terminated, with_status
+from deadpool.coordinator.transitions import drop_joining, end, fail, publish, refuse, terminated, with_status
 
 State = CoordinatorState
 FRESH_START = ("nothing was committed yet (a death in start-up): every rank begins afresh, from the script's own "
@@ -129,6 +129,8 @@ def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
 def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> State:
     """A bug in the script: replaying it on a spare would raise it again, so the job stops here."""
     report, where = x.script_error, x.name
+    if report and report.refused:  # --resume with a checkpoint of another job: refused like a bad command line
+        return refuse(s, report.error.partition(": ")[2], out)
     used = ", so no spare was used"
     if report and report.taking_over is not None:
         where = (f"spare {x.name}, in the script's set-up as it took over rank {report.rank} at step "

@@ -113,11 +113,12 @@ class ScriptError:
     step: int | None
     error: str
     taking_over: int | None = None  # a called spare's set-up raised: the step it was restoring for its rank
+    refused: bool = False  # not the script's error: the checkpoint given to --resume is another job's
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ScriptError:
         raw = json.loads(text)
-        return cls(raw["rank"], raw["step"], raw["error"], raw.get("taking_over"))
+        return cls(raw["rank"], raw["step"], raw["error"], raw.get("taking_over"), raw.get("refused", False))
 
 
 @dataclass(frozen=True)

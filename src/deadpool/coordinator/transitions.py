@@ -77,6 +77,14 @@ def fail(s: State, message: str, out: list[Effect]) -> State:
     return replace(s, exit_code=1, failure=message)
 
 
+def refuse(s: State, message: str, out: list[Effect]) -> State:
+    """The job was given what cannot work (a checkpoint of another job to resume): it stops with exit 2, as
+    a bad command line does, saying why in one line."""
+    out += [Emit("job_failed", dict(reason=message, root_cause=message)), Stop("failed", grace_s=5.0),
+            Say(message, error=True)]
+    return replace(s, exit_code=2, failure=message)
+
+
 def drop_joining(s: State, node: int, why: str, out: list[Effect]) -> State:
     """A spare node that joined but cannot enter the pool: its other spares are fenced."""
     joining = s.joining[node]

@@ -26,7 +26,7 @@ from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
-from deadpool.runtime.persist import describe_misfit, load_from_disk
+from deadpool.runtime.persist import check_fits, describe_misfit, load_from_disk
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.replay import InputFingerprints
 from deadpool.runtime.snapshot import read_committed
@@ -103,6 +103,7 @@ class StepLoop:
     def _resume(self) -> None:
         """`deadpool run --resume`: this rank's state, RNGs and step counter come from the checkpoint."""
         member, path = self.member, self.member.ctx.config.resume
+        check_fits(Path(path), member.tree)
         loaded = member.engine.slots[0]
         with member.progress.waiting_for("resume"):
             step = load_from_disk(Path(path), member.rank, loaded)

@@ -382,6 +382,16 @@ def test_a_script_error_stops_the_job_at_once_without_a_swap():
     assert (effects[2].status.outcome, effects[2].status.reason) == ("failed", reason)
 
 
+def test_a_checkpoint_of_another_job_refused_by_a_rank_stops_the_job_with_exit_2_in_one_line():
+    s = started(replace(CONFIG, resume="/ckpt/step-4"))
+    why = "cannot resume from /ckpt/step-4: it holds the state of another job (model.w has shape [4] ...)"
+    error = ScriptError(rank=0, step=0, error=f"CheckpointError: {why}", refused=True)
+    s, effects = advance(s, killed("w0", code=1, script_error=error), 4.0)
+    assert s.exit_code == 2 and emitted(effects, "job_failed")[0]["reason"] == why
+    assert [(e.text, e.error) for e in effects if type(e).__name__ == "Say"] == [(why, True)]  # one line
+    assert Stop("failed", grace_s=5.0) in effects
+
+
 def test_a_called_spares_set_up_error_names_the_spare_the_rank_and_step_and_that_a_spare_was_used():
     s = started()
     error = ScriptError(rank=1, step=0, error="EOFError: Ran out of input", taking_over=4)
