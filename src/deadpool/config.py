@@ -11,7 +11,11 @@ from pathlib import Path
 from deadpool.errors import ConfigError
 
 FAULT_KINDS = ("kill", "kill_node", "hang", "error", "corrupt_replica")
-FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate", "recovery")
+# Phases of no step (given as step 0): start-up, in deadpool.init() and before snapshot 0 is committed; and a
+# holder's hand-over of a replica to the spare taking its rank over, in a recovery.
+STEP_ZERO_PHASES = ("init", "setup", "handover")
+FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate", "recovery",
+                *STEP_ZERO_PHASES)
 BACKLOG_POLICIES = ("wait", "skip")
 DIVERGENCE_ACTIONS = ("stop", "warn")
 # A rank's watch thread beats every 0.1 s. The longest gap the coordinator saw between two beats of a live rank,
@@ -32,7 +36,10 @@ class Fault:
     the training script (a bug, not a node failure); `corrupt_replica` flips a byte of the replica
     of that rank's snapshot `step` in its holder's memory (phase is ignored). Phase `recovery`
     fires while the rank recovers from another failure that struck during `step` (once the new
-    plan names it, before it reports its snapshots).
+    plan names it, before it reports its snapshots). Three phases have no step (step 0): `init` fires in
+    deadpool.init() before the rank joins its group, `setup` in session.run() just before snapshot 0 is taken,
+    and `handover` in the holder of `rank`'s replica the first time it streams it to the spare taking the rank
+    over, once it announced the stream (the taker waits for it) and before it connects.
     """
 
     kind: str
@@ -45,7 +52,11 @@ class Fault:
             raise ConfigError(f"fault kind {self.kind!r} is not one of {FAULT_KINDS}")
         if self.phase not in FAULT_PHASES:
             raise ConfigError(f"fault phase {self.phase!r} is not one of {FAULT_PHASES}")
-        if self.rank < 0 or self.step < 1:
+        if self.phase in STEP_ZERO_PHASES and self.kind != "corrupt_replica":
+            if self.rank < 0 or self.step != 0:
+                raise ConfigError(f"a fault in phase {self.phase} (no step of its own) needs rank >= 0 and step 0, "
+                                  f"got rank={self.rank} step={self.step}")
+        elif self.rank < 0 or self.step < 1:
             raise ConfigError(f"fault needs rank >= 0 and step >= 1, got rank={self.rank} step={self.step}")
 
 

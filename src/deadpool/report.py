@@ -54,7 +54,7 @@ def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, A
         "replaced": done["replaced"],
         "kill_step": fault_step,
         "restored_step": target,
-        "steps_replayed": max(0, fault_step - 1 - target),
+        "steps_replayed": max(0, fault_step - 1 - (0 if target is None else target)),  # None: began afresh
         # a hang is detected when the verdict falls, counted from the rank's last progress
         "detect_s": (hang["verdict_t"] - hang["last_progress_t"]) if hang else t_detect - t_fail,
         "decide_s": published[0]["t"] - t_detect if published else None,
@@ -166,7 +166,7 @@ def summarize(path: Path, exit_code: int, faults: tuple[Fault, ...] = ()) -> dic
 
 
 def disk_tier(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoints written, the one this job resumed from, and whether a SIGTERM stopped it."""
+    """The checkpoints written, the one this job resumed from, and what stopped it after persisting."""
     resumed = next((e for e in events if e["event"] == "resumed_from_disk"), None)
     stopped = next((e for e in events if e["event"] == "job_stopped"), None)
     return {
@@ -176,5 +176,5 @@ def disk_tier(events: list[dict[str, Any]]) -> dict[str, Any]:
         "persist_failures": [{"step": e["step"], "reason": e["reason"]} for e in events
                              if e["event"] == "persist_failed"],
         "resumed_from": {"step": resumed["step"], "path": resumed["path"]} if resumed else None,
-        "stopped_by": stopped["signal"] if stopped else None,
+        "stopped_by": stopped["by"] if stopped else None,  # "SIGTERM" or "no spare"
     }

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from deadpool.config import Fault
 
 from .conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, alive, job_events, run_job
 
@@ -112,15 +115,65 @@ def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_pat
 
 
 def test_resuming_from_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_path):
-    """A checkpoint of four ranks does not fit a job of two: exit 2, one line naming the difference, the
-    checkpoint untouched."""
+    """A checkpoint of two ranks does not fit a job of four (the launcher refuses it), nor a model of other shapes
+    (the ranks refuse it, before they load it): exit 2, one line naming the difference, the checkpoint untouched."""
     persist = tmp_path / "ckpt"
     job = run_job(tmp_path / "first", steps=2, workers=2, spares=0, persist_dir=str(persist), persist_every=1)
     assert job.code == 0 and job.summary["checkpoints"]
     before = {p: p.stat().st_mtime_ns for p in persist.rglob("*")}
-    out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "4", "--resume", "auto",
-                          "--persist-dir", str(persist), "--out", str(tmp_path / "second"), str(TRAIN), "--steps", "4",
-                          *SMALL], cwd=REPO, capture_output=True, text=True, timeout=60)
-    err = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(err) == 1 and "world size" in err[0], err
-    assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
+    narrower = tuple("32" if a == "64" else a for a in SMALL)  # --n-embd 32
+    for workers, model, says in (("4", SMALL, r"world size 2 in the checkpoint, 4 now"),
+                                 ("2", narrower, r"it holds the state of another job \(model\.\S+ has shape "
+                                                 r"\[(\d+, )*64\] in the checkpoint, \[(\d+, )*32\] now")):
+        out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", workers, "--resume",
+                              "auto", "--persist-dir", str(persist), "--out", str(tmp_path / f"second-{workers}"),
+                              str(TRAIN), "--steps", "4", *model], cwd=REPO, capture_output=True, text=True, timeout=60)
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1 and re.search(says, err[0]), err
+        assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
+
+
+def test_with_no_spare_left_the_newest_commit_is_persisted_and_the_command_to_go_on_printed(tmp_path):
+    """Rank 1 dies and no spare is left: the newest commit is written first (rank 1's part by w0, which holds
+    its replica), then the job stops naming it, and `deadpool run` prints the command that goes on."""
+    persist, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    argv = ["run", "--workers", "2", "--persist-dir", str(persist), "--persist-every", "1000", "--fault",
+            "kill:1:3:step_start", "--out", str(run_dir), str(TRAIN), "--steps", "4", *SMALL]
+    out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", *argv], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    events = job_events(run_dir)
+    [stopped] = [e for e in events if e["event"] == "job_stopped"]
+    step = max(e["step"] for e in events if e["event"] == "commit")
+    assert out.returncode == 1 and (stopped["by"], stopped["persisted"], stopped["committed"]) == ("no spare", step,
+                                                                                                 step)
+    assert f"Step {step} is on disk in {persist}; go on from it with the same command and --resume auto." in out.stderr
+    assert f"[deadpool] to go on: deadpool run --resume auto {' '.join(argv[1:])}\n" in out.stdout
+    assert {(e["proc"], tuple(e["ranks"])) for e in events if e["event"] == "persist_part"} == {("w0", (0, 1))}
+    assert [e["step"] for e in events if e["event"] == "checkpoint_persisted"] == [step]
+
+
+def test_a_holder_killed_as_it_hands_a_replica_over_leaves_its_taker_free_to_restore_from_disk(tmp_path, reference):
+    """Ranks 0 and 3 die together; their holder s0 takes rank 0 and starts streaming rank 3's replica to s1,
+    and dies then (a planned fault), with s1 waiting for the stream. The abort releases s1; no copy of ranks 0
+    and 3 is left in memory, so s1 and s2 take them from the newest checkpoint, every rank restores it in
+    place, and the run is bit for bit the reference."""
+    job = Background(tmp_path / "run", spares=3, persist_dir=str(tmp_path / "ckpt"), persist_every=2,
+                     faults=(Fault(kind="kill", rank=3, step=0, phase="handover"),),
+                     script=SCRIPTS / "slow_steps.py", script_prefix=("0.4",))  # time to act after a checkpoint
+    job.wait_for(lambda e: e["event"] == "checkpoint_persisted" and e["step"] >= 2)
+    plan = [e for e in job.events() if e["event"] == "plan_published"][-1]
+    assert plan["holders"][0] == plan["holders"][3] == ["s0"]
+    for pid in (job.pid("w0"), job.pid("w3")):
+        os.kill(pid, signal.SIGKILL)
+    done = job.join()
+    assert done.code == 0, done.summary["error"]
+    [fault] = done.named("fault_injected")
+    assert (fault["proc"], fault["target_rank"], fault["phase"]) == ("s0", 3, "handover")
+    assert [(e["proc"], e["of_rank"]) for e in done.named("transfer_failed")] == [("s1", 3)]  # released
+    [decided] = done.named("restore_decided")
+    assert decided["from_disk"] and [r["replaced"] for r in done.summary["recoveries"]] == [{"0": "s1", "3": "s2"}]
+    assert sorted(e["restored_step"] for e in done.named("recovered")) == [decided["target"]] * 4
+    spawned = {e["proc"]: e["pid"] for e in done.named("process_spawned")}
+    finished = {e["rank"]: e["pid"] for e in done.named("finished")}
+    assert [finished[r] for r in (1, 2)] == [spawned["w1"], spawned["w2"]]  # the survivors kept their processes
+    assert done.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]

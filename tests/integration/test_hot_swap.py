@@ -90,6 +90,24 @@ def test_a_second_kill_in_the_middle_of_a_recovery(tmp_path, reference):
     assert {e["gen"] for e in job.named("recovered")} == {2}
 
 
+def test_deaths_in_start_up_are_taken_over_and_every_rank_begins_afresh_bit_for_bit(tmp_path, reference):
+    """Nothing is committed before snapshot 0: rank 1 dies in deadpool.init() (the others wait in generation 0's
+    rendezvous), a spare takes it and every rank begins afresh; rank 2 then dies in that new start, before its
+    snapshot 0, and the other spare takes it the same way. The run is bit for bit the reference."""
+    faults = (Fault(kind="kill", rank=1, step=0, phase="init"), Fault(kind="kill", rank=2, step=0, phase="setup"))
+    job = run_job(tmp_path, spares=2, faults=faults)
+    assert_same_training(job, reference)
+    assert job.summary["faults_not_fired"] == []
+    assert [(e["target_rank"], e["phase"], e["gen"]) for e in job.named("fault_injected")] == [(1, "init", 0),
+                                                                                              (2, "setup", 1)]
+    assert [(r["replaced"], r["restored_step"]) for r in job.summary["recoveries"]] == [({"1": "s1"}, None),
+                                                                                       ({"2": "s0"}, None)]
+    assert [e["target"] for e in job.named("restore_decided")] == [None, None]
+    assert not [e for e in job.named("step") if e["gen"] < 2]  # no step ran before the last start
+    first = job.named("commit")[0]
+    assert (first["step"], first["gen"]) == (0, 2)  # nothing was committed before the last start
+
+
 def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
     faults = (Fault(kind="kill", rank=1, step=3, phase="backward"), Fault(kind="kill", rank=2, step=6, phase="backward"))
     started = time.monotonic()

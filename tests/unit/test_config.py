@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from deadpool.config import FAULT_PHASES, Fault, JobConfig
+from deadpool.config import FAULT_PHASES, STEP_ZERO_PHASES, Fault, JobConfig
 from deadpool.errors import ConfigError
 
 
@@ -24,6 +24,8 @@ def test_fault_defaults_to_backward_phase():
 @pytest.mark.parametrize("phase", FAULT_PHASES)
 def test_fault_accepts_every_catalog_phase(phase):
     assert Fault(kind="corrupt_replica", rank=3, step=7, phase=phase).phase == phase
+    step = 0 if phase in STEP_ZERO_PHASES else 7
+    assert Fault(kind="kill", rank=3, step=step, phase=phase).phase == phase
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -31,9 +33,11 @@ def test_fault_accepts_every_catalog_phase(phase):
      "fault kind 'explode' is not one of ('kill', 'kill_node', 'hang', 'error', 'corrupt_replica')"),
     (dict(kind="kill", rank=0, step=1, phase="sideways"),
      "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', 'after_optimizer', "
-     "'snapshot_copy', 'replicate', 'recovery')"),
+     "'snapshot_copy', 'replicate', 'recovery', 'init', 'setup', 'handover')"),
     (dict(kind="kill", rank=-1, step=1), "fault needs rank >= 0 and step >= 1, got rank=-1 step=1"),
     (dict(kind="kill", rank=0, step=0), "fault needs rank >= 0 and step >= 1, got rank=0 step=0"),
+    (dict(kind="kill", rank=0, step=1, phase="init"),
+     "a fault in phase init (no step of its own) needs rank >= 0 and step 0, got rank=0 step=1"),
 ])
 def test_fault_rejects_bad_fields(fields, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):

@@ -310,7 +310,7 @@ def test_disk_tier_lists_checkpoints_resume_and_stop(tmp_path):
                  ev("checkpoint_persisted", 1.0, 0, None, step=6, path="/ckpt/step-6", nbytes=10, write_s=0.5,
                     total_s=0.75, gbps=2e-8),
                  ev("persist_failed", 1.5, 0, None, step=8, reason="w1: disk full"),
-                 ev("job_stopped", 2.0, 0, None, signal="SIGTERM", persisted=6, committed=8)])
+                 ev("job_stopped", 2.0, 0, None, by="SIGTERM", persisted=6, committed=8)])
     summary = summarize(path, exit_code=143)
     assert summary["checkpoints"] == [{"step": 6, "path": "/ckpt/step-6", "nbytes": 10, "write_s": 0.5,
                                        "total_s": 0.75, "gbps": 2e-8}]

@@ -59,9 +59,11 @@ from deadpool.coordinator.state import (
     WriteTarget,
 )
 from deadpool.coordinator.status import Recovery
-from deadpool.coordinator.transitions import drop_joining, end, fail, publish, terminated, with_status
+from deadpool.coordinator.transitions import drop_joining, end, fail, publish, refuse, terminated, with_status
 
 State = CoordinatorState
+FRESH_START = ("nothing was committed yet (a death in start-up): every rank begins afresh, from the script's own "
+               "initial state, as at the job's start")
 
 
 def start(config: JobConfig) -> tuple[State, tuple[Effect, ...]]:
@@ -127,6 +129,8 @@ def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
 def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> State:
     """A bug in the script: replaying it on a spare would raise it again, so the job stops here."""
     report, where = x.script_error, x.name
+    if report and report.refused:  # --resume with a checkpoint of another job: refused like a bad command line
+        return refuse(s, report.error.partition(": ")[2], out)
     used = ", so no spare was used"
     if report and report.taking_over is not None:
         where = (f"spare {x.name}, in the script's set-up as it took over rank {report.rank} at step "
@@ -219,17 +223,14 @@ def _diverged(s: State, divergence: Divergence, reason: str, out: list[Effect]) 
 
 
 def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
-    """SIGTERM (a scheduler's stop): the newest commit goes to disk first, within --stop-grace, then the job
-    stops with 143, saying how to go on. Training goes on meanwhile; a failure meanwhile is not recovered."""
-    config, since = s.config, s.stopping_t if s.stopping_t is not None else now
-    if s.stopping_t is None:
-        s = replace(s, stopping_t=now)
+    """The newest commit goes to disk first, within --stop-grace (persist.stop), then the job stops, saying how
+    to go on: on SIGTERM (a scheduler's stop; exit 143, training goes on meanwhile), or when a lost rank has
+    no spare to take it (pool.decide; exit 1). A failure meanwhile is not recovered."""
+    config = s.config
+    if s.stopping_t is None:  # SIGTERM, in this tick
         out.append(Emit("stop_requested", dict(signal="SIGTERM", committed=s.committed, persisted=s.persisted)))
-        in_flight = s.persisting is not None and s.persisting.step == s.committed
-        if config.persist_dir and s.committed is not None and s.committed != s.persisted and not in_flight:
-            out.append(Say(f"SIGTERM: writing step {s.committed} to {config.persist_dir} before stopping "
-                           f"(--stop-grace {config.stop_grace_s:g} s)"))
-            s = persist.order(s, s.committed, "the job is stopping (SIGTERM)", now, out)
+        s = persist.stop(s, "SIGTERM", s.plan, now, out)
+    since = s.stopping_t if s.stopping_t is not None else now
     if s.persisting is not None:
         s = persist.tick(s, inputs, now, out, may_order=False)
     if s.persisting is not None and now < since + config.stop_grace_s:
@@ -248,6 +249,10 @@ def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
 
 def _choose_target(s: State, holdings: Mapping[int, list[int]], now: float, out: list[Effect]) -> State:
     gen = s.plan.generation
+    if s.committed is None:  # a death in start-up: no step ran anywhere, so nothing is lost by starting again
+        decided = dict(target=None, reason=FRESH_START, holdings=dict(holdings), from_disk=False)
+        out += [Emit("restore_decided", decided), WriteCommit(gen, None, ()), WriteTarget(gen, None)]
+        return replace(s, phase=Phase.AWAIT_RESUMED, deadline=now + s.config.recovery_timeout_s)
     decision = choose_restore_step(s.committed, holdings)
     from_disk = decision.value is None and s.persisted is not None  # memory first, disk second, in one recovery
     if from_disk:
@@ -288,7 +293,8 @@ def _swapped(s: State, swap: Swap, now: float, out: list[Effect]) -> State:
                                           failed=[asdict(f) for f in swap.failed],
                                           hang=asdict(swap.hang) if swap.hang else None,
                                           detected_t=swap.detected_t, detect_to_resume_s=took)))
-    out.append(Say(f"generation {gen} running: restored step {target}; "
+    restored = "began afresh" if target is None else f"restored step {target}"
+    out.append(Say(f"generation {gen} running: {restored}; "
                    + ", ".join(f"{p} is now rank {r}" for r, p in replaced.items())
                    + f" ({took:.2f} s after detection)"))
     done = Recovery(gen, cause, target, took, {str(r): p for r, p in replaced.items()})

@@ -15,16 +15,20 @@ from dataclasses import replace
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import Decision
 from deadpool.coordinator.protocol import Plan
-from deadpool.coordinator.state import CoordinatorState, Effect, Emit, Finalize, Inputs, OrderPersist, Persisting
+from deadpool.coordinator.state import CoordinatorState, Effect, Emit, Finalize, Inputs, OrderPersist, Persisting, Say
 from deadpool.protocol.records import PersistOrder
 
 State = CoordinatorState
 
 
-def writers_of(plan: Plan) -> tuple[str, ...]:
-    """rank -> the process that writes its snapshot: its first holder that is an idle spare, else itself."""
-    return tuple(next((h for h in holders if h in plan.spares), plan.ranks[rank])
-                 for rank, holders in enumerate(plan.holders))
+def writers_of(plan: Plan, lost: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """rank -> the process that writes its snapshot: its first live holder that is an idle spare, else itself,
+    else (it was lost) its first live holder."""
+    def writer(owner: str, holders: tuple[str, ...]) -> str:
+        live = [h for h in holders if h not in lost]
+        idle = next((h for h in live if h in plan.spares), None)
+        return idle or (live[0] if owner in lost and live else owner)
+    return tuple(writer(owner, holders) for owner, holders in zip(plan.ranks, plan.holders))
 
 
 def persist_due(config: JobConfig, committed: int | None, persisted: int | None, commits: int,
@@ -41,12 +45,26 @@ def persist_due(config: JobConfig, committed: int | None, persisted: int | None,
     return Decision(None, "not due yet")
 
 
-def order(s: State, step: int, reason: str, now: float, out: list[Effect]) -> State:
-    """Orders checkpoint `step` from the current plan's writers; it must be complete within the deadline."""
-    writers = writers_of(s.plan)
+def order(s: State, step: int, reason: str, now: float, out: list[Effect], plan: Plan | None = None) -> State:
+    """Orders checkpoint `step` from the writers of `plan` (the current one by default) that are not lost; it must
+    be complete within the deadline."""
+    writers = writers_of(plan or s.plan, s.lost)
     out.append(OrderPersist(PersistOrder(step, s.plan.generation, writers, reason)))
     out.append(Emit("persist_ordered", dict(step=step, writers=list(writers), reason=reason)))
     return replace(s, persisting=Persisting(step, writers, now, now + s.config.collective_timeout_s, reason))
+
+
+def stop(s: State, cause: str, plan: Plan, now: float, out: list[Effect], failure: str | None = None) -> State:
+    """The job is to stop once its newest commit is on disk (machine._stopping waits, up to --stop-grace): on
+    SIGTERM, or, with `failure`, because it cannot go on. `plan`'s processes hold the commit in memory."""
+    config = s.config
+    s = replace(s, stopping_t=now, stop_failure=failure)
+    in_flight = s.persisting is not None and s.persisting.step == s.committed
+    if config.persist_dir and s.committed is not None and s.committed != s.persisted and not in_flight:
+        out.append(Say(f"{cause}: writing step {s.committed} to {config.persist_dir} before stopping "
+                       f"(--stop-grace {config.stop_grace_s:g} s)"))
+        s = order(s, s.committed, f"the job is stopping ({cause})", now, out, plan)
+    return s
 
 
 def tick(s: State, inputs: Inputs, now: float, out: list[Effect], may_order: bool) -> State:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
+from deadpool.coordinator import persist
 from deadpool.coordinator.policy import (
     NO_SPARE,
     SPARE_AWAITED,
@@ -38,11 +39,12 @@ def decide(s: State, now: float, out: list[Effect]) -> State:
         if wait.value == SPARE_AWAITED:
             return _begin_spare_wait(s, wait.reason, now, out)
         if wait.value == NO_SPARE and s.config.nproc_per_node:
-            return _no_spare(s, wait.reason, waited, out)
+            return _no_spare(s, wait.reason, waited, now, out)
         lost = "; ".join(f"{f.who} {f.exit}" for f in failed)
         pool_empty = all(p in s.lost for p in s.steady.spares)
         advice = " Add spares (--spares) to survive more failures." if pool_empty else ""
-        return fail(s, f"{lost}: {decision.reason}. Last committed step: {s.committed}.{advice}", out)
+        message = f"{lost}: {decision.reason}. Last committed step: {s.committed}.{advice}"
+        return _stop(s, message, now, out) if wait.value == NO_SPARE else fail(s, message, out)
     plan = decision.value
     s = replace(s, awaiting_since=None)
     if plan.generation == s.plan.generation:  # a lost spare that held nothing: nobody rolls back
@@ -118,7 +120,7 @@ def _begin_spare_wait(s: State, reason: str, now: float, out: list[Effect]) -> S
     return replace(s, phase=Phase.AWAIT_SPARE, deadline=s.awaiting_since + s.config.spare_wait_s)
 
 
-def _no_spare(s: State, reason: str, waited_s: float, out: list[Effect]) -> State:
+def _no_spare(s: State, reason: str, waited_s: float, now: float, out: list[Effect]) -> State:
     """A lost rank has no spare to go to and none came: the job stops, naming what was lost and what
     would have kept it going."""
     by_node = lost_by_node(s.steady, s.lost)
@@ -128,8 +130,16 @@ def _no_spare(s: State, reason: str, waited_s: float, out: list[Effect]) -> Stat
     join = _join_command(s)
     advice = (f"start {join} on a healthy machine within --spare-wait" if s.config.spare_wait_s else
               f"pass --spare-wait SECONDS and start {join} on a healthy machine when a node is lost")
-    return fail(s, f"{reason}. Last committed step: {s.committed}. To go on from a lost node, {advice}, "
-                   "or run with more --spare-nodes.", out)
+    return _stop(s, f"{reason}. Last committed step: {s.committed}. To go on from a lost node, {advice}, "
+                    "or run with more --spare-nodes.", now, out)
+
+
+def _stop(s: State, message: str, now: float, out: list[Effect]) -> State:
+    """No spare for a lost rank: with a disk tier, the newest commit goes to disk first (from the survivors' slots
+    and the lost ranks' holders: the steady plan's), so that `--resume auto` goes on from it; then the job fails."""
+    if s.config.persist_dir and s.committed is not None:
+        return persist.stop(s, "no spare left", s.steady, now, out, failure=message)
+    return fail(s, message, out)
 
 
 def _join_command(s: State) -> str:

@@ -166,7 +166,7 @@ class Coordinator:
             record = {"step": effect.step, "abandoned": list(effect.abandoned)}
             store.set(keys.committed(effect.gen), json.dumps(record))
         elif isinstance(effect, WriteTarget):
-            store.set(keys.target(effect.gen), str(effect.step))
+            store.set(keys.target(effect.gen), json.dumps(effect.step))  # null: begin afresh
         elif isinstance(effect, MarkRunning):
             store.set(keys.running(effect.gen), "1")
         elif isinstance(effect, Spawn):

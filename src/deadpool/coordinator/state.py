@@ -113,11 +113,12 @@ class ScriptError:
     step: int | None
     error: str
     taking_over: int | None = None  # a called spare's set-up raised: the step it was restoring for its rank
+    refused: bool = False  # not the script's error: the checkpoint given to --resume is another job's
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ScriptError:
         raw = json.loads(text)
-        return cls(raw["rank"], raw["step"], raw["error"], raw.get("taking_over"))
+        return cls(raw["rank"], raw["step"], raw["error"], raw.get("taking_over"), raw.get("refused", False))
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class WriteCommit:
 @dataclass(frozen=True)
 class WriteTarget:
     gen: int
-    step: int
+    step: int | None  # None: nothing was committed yet, every rank begins afresh (loop._begin)
 
 
 @dataclass(frozen=True)
@@ -294,5 +295,6 @@ class CoordinatorState:
     persisted: int | None = None        # the newest step complete on disk (a resumed job's: the one it resumed)
     commits_since_persist: int = 0
     persisted_t: float | None = None    # when the last checkpoint completed (or the first commit came)
-    stopping_t: float | None = None     # SIGTERM arrived: the job persists its newest commit and stops
+    stopping_t: float | None = None     # SIGTERM arrived (or no spare is left): the job persists, then stops
+    stop_failure: str | None = None     # stopping because the job cannot go on (no spare left): why
     last_try: bool = False              # stopping: the parts on disk are being assembled one last time

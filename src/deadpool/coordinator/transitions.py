@@ -48,8 +48,9 @@ def end(s: State, out: list[Effect]) -> State:
 
 
 def terminated(s: State, out: list[Effect]) -> State:
-    """Stopped by SIGTERM: exit 143 (128 + 15) as a scheduler expects, with the newest commit on disk if it
-    could be written in time, and the command that goes on from it."""
+    """Stopped with the newest commit on disk if it could be written in time, saying how to go on from it: by
+    SIGTERM, exit 143 (128 + 15) as a scheduler expects; or, as the job could not go on (`stop_failure`: no
+    spare left), failed, exit 1."""
     config = s.config
     if not config.persist_dir:
         saved = "nothing was persisted (give --persist-dir to make a stopped job resumable)"
@@ -58,8 +59,11 @@ def terminated(s: State, out: list[Effect]) -> State:
     else:
         saved = (f"step {s.persisted} is on disk in {config.persist_dir}; go on from it with the same command "
                  "and --resume auto")
-    out += [Emit("job_stopped", dict(signal="SIGTERM", persisted=s.persisted, committed=s.committed)),
-            Stop("terminated", grace_s=0.0), Say(f"stopped by SIGTERM: {saved}", error=True)]
+    by = "SIGTERM" if s.stop_failure is None else "no spare"
+    out.append(Emit("job_stopped", dict(by=by, persisted=s.persisted, committed=s.committed)))
+    if s.stop_failure is not None:
+        return fail(s, f"{s.stop_failure} {saved[0].upper()}{saved[1:]}.", out)
+    out += [Stop("terminated", grace_s=0.0), Say(f"stopped by SIGTERM: {saved}", error=True)]
     return replace(s, exit_code=143, failure=f"stopped by SIGTERM: {saved}")
 
 
@@ -71,6 +75,14 @@ def fail(s: State, message: str, out: list[Effect]) -> State:
     if cause != message:
         out.append(Say(f"root cause: {cause}", error=True))
     return replace(s, exit_code=1, failure=message)
+
+
+def refuse(s: State, message: str, out: list[Effect]) -> State:
+    """The job was given what cannot work (a checkpoint of another job to resume): it stops with exit 2, as
+    a bad command line does, saying why in one line."""
+    out += [Emit("job_failed", dict(reason=message, root_cause=message)), Stop("failed", grace_s=5.0),
+            Say(message, error=True)]
+    return replace(s, exit_code=2, failure=message)
 
 
 def drop_joining(s: State, node: int, why: str, out: list[Effect]) -> State:

@@ -92,6 +92,20 @@ def compatible(manifest: dict[str, Any], identity: Identity) -> str | None:
     return "; ".join(diffs) or None
 
 
+def shapes_misfit(manifest: dict[str, Any], shapes: dict[str, list[int]]) -> str | None:
+    """One line naming what of a live job's state (`shapes`: fqn -> global shape of its parameters, and of the
+    optimizer state built so far) the checkpoint lacks or holds in another shape, or None. Names only in the
+    checkpoint are not looked at: an optimizer builds its state at its first step."""
+    saved = manifest["identity"]["shapes"]
+    missing = [k for k in shapes if k not in saved]
+    other = [f"{name} has shape {list(saved[name])} in the checkpoint, {list(shape)} now"
+             for name, shape in shapes.items() if name in saved and list(saved[name]) != list(shape)]
+    diffs = [f"{_few(missing)} missing from the checkpoint"] if missing else []
+    if other:
+        diffs.append(other[0] + (f" (and {len(other) - 1} more of other shapes)" if len(other) > 1 else ""))
+    return "; ".join(diffs) or None
+
+
 def _few(names: list[str]) -> str:
     shown = ", ".join(names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -31,20 +31,23 @@ class FaultInjector:
                 return fault
         return None
 
-    def point(self, phase: str, step: int, before_stop: Callable[[], None] = lambda: None) -> None:
-        """Fires the plan's fault for this rank at this exact point, if there is one: `kill` is a real,
+    def point(self, phase: str, step: int, before_stop: Callable[[], None] = lambda: None,
+              rank: int | None = None) -> None:
+        """Fires the plan's fault for this rank (or for `rank`, the one a holder hands over) at this exact point,
+        if there is one: `kill` is a real,
         uncatchable SIGKILL; `kill_node` the same to this process's whole node (its agent's process group:
         the agent and every process it started); `hang` a real SIGSTOP (the process stays, silent, holding
         its sockets); `error` an exception raised into the training script, as a bug in it would.
         `before_stop` runs just before a hang's SIGSTOP (the rank publishes where it stops)."""
-        if not self.faults or self.rank is None:
+        target = self.rank if rank is None else rank
+        if not self.faults or target is None:
             return
         for kind in ("kill", "kill_node", "hang", "error"):
-            if self._claim(kind, self.rank, step, phase) is None:
+            if self._claim(kind, target, step, phase) is None:
                 continue
-            self.events.emit("fault_injected", kind=kind, target_rank=self.rank, step=step, phase=phase)
+            self.events.emit("fault_injected", kind=kind, target_rank=target, step=step, phase=phase)
             if kind == "error":
-                raise InjectedError(f"injected error on rank {self.rank} in {phase} of step {step}")
+                raise InjectedError(f"injected error on rank {target} in {phase} of step {step}")
             if kind == "kill_node":
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             if kind == "hang":

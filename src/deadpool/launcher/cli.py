@@ -155,6 +155,12 @@ def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _how_to_go_on(persist_dir: str, summary: dict, argv: list[str] | None) -> None:
+    """A job that stopped after persisting its newest commit (SIGTERM, no spare left): the command that goes on."""
+    if persist_dir and summary["stopped_by"]:
+        print(f"[deadpool] to go on: {resume_command(argv if argv is not None else sys.argv[1:])}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)
@@ -164,10 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
             out = args.out or default_out("run")
             config = job_config(args, args.script, args.script_args, out)
-            code, _ = launch(config)
+            code, summary = launch(config)
             print(f"[deadpool] run directory: {out}", flush=True)
-            if code == 143 and config.persist_dir:
-                print(f"[deadpool] to go on: {resume_command(argv if argv is not None else sys.argv[1:])}", flush=True)
+            _how_to_go_on(config.persist_dir, summary, argv)
             return code
         if args.command == "coordinator":
             from deadpool.launcher.launch import launch
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             config = job_config(args, args.script, args.script_args, args.out or default_out("run"))
             if not config.nproc_per_node:
                 raise ConfigError("deadpool coordinator runs nodes: give --nnodes (and --nproc-per-node)")
-            code, _ = launch(config, start_agents=False)
+            code, summary = launch(config, start_agents=False)
+            _how_to_go_on(config.persist_dir, summary, argv)
             return code
         if args.command == "agent":
             from deadpool.launcher.node import agent_main

@@ -72,16 +72,17 @@ def discard_newer(config: JobConfig, step: int) -> None:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command that goes on from where a stopped `deadpool run` left: the same one, with --resume auto."""
+    """The command that goes on from where a stopped `deadpool run` (or `deadpool coordinator`) left: the same
+    one, with --resume auto."""
     rest, skip = [], False
-    for arg in argv[1:]:  # argv[0] is "run"; an earlier --resume is replaced
+    for arg in argv[1:]:  # argv[0] is the command, "run" or "coordinator"; an earlier --resume is replaced
         if skip:
             skip = False
         elif arg == "--resume":
             skip = True
         elif not arg.startswith("--resume="):
             rest.append(arg)
-    return shlex.join(["deadpool", "run", "--resume", "auto", *rest])
+    return shlex.join(["deadpool", argv[0], "--resume", "auto", *rest])
 
 
 @contextmanager

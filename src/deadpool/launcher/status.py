@@ -78,7 +78,8 @@ def render(status: JobStatus, memory: dict[str, int]) -> str:
     lines.append(f"recoveries: {len(status.recoveries)}")
     for r in status.recoveries:
         took = ", ".join(f"{proc} took rank {rank}" for rank, proc in r.replaced.items()) or "no rank replaced"
-        lines.append(f"  generation {r.generation}: {r.cause}; restored step {r.restored_step}; {took}; "
+        restored = "began afresh" if r.restored_step is None else f"restored step {r.restored_step}"
+        lines.append(f"  generation {r.generation}: {r.cause}; {restored}; {took}; "
                      f"{r.detect_to_resume_s:.2f} s from detection to resume")
     timeout = "not set yet" if status.hang_timeout_s is None else (
         f"{status.hang_timeout_s:.1f} s ({status.hang_timeout_reason})")

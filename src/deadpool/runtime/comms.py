@@ -182,8 +182,17 @@ def join_group(store: PlaneStore | dist.TCPStore, prefix: str, backend: str, ran
     """Makes this process rank `rank` of a fresh default group; the prefix keeps generations apart. The
     TCP connections the group opens (any new one not to the store) are noted for abandon_group."""
     before = set(_socket_fds())
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    # torch names the default group by a process-wide counter, which keys its rendezvous in the store and is reset
+    # only when a group is destroyed: an attempt that failed (a peer died before joining) must not shift it, or
+    # this process would wait for its peers under another name in the next generation's rendezvous.
+    world: Any = dist.distributed_c10d._world
+    count = world.group_count
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except BaseException:
+        world.group_count = count
+        raise
     if backend == "gloo":
         ports = _tcp_ports()
         _group_sockets.clear()

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from deadpool.errors import ConfigError, DeadPoolError, PeerFailure, SwapAborted
+from deadpool.errors import CheckpointError, ConfigError, DeadPoolError, PeerFailure, SwapAborted
 from deadpool.runtime.terminate import before_exit
 
 RECOVERABLE = (PeerFailure, SwapAborted)  # what a survivor recovers from on sight; anything else is judged
@@ -87,8 +87,9 @@ def report_script_errors(publish: Callable[[dict[str, Any]], None], whose: Calla
         outside = not (isinstance(error, DeadPoolError) or raised_in_torch_distributed(error))
         if isinstance(error, Exception) and (judged(error) or isinstance(error, ConfigError) or outside):
             first = str(error).splitlines()[0] if str(error) else ""
+            refused = isinstance(error, CheckpointError)  # --resume was given another job's checkpoint: no bug
             try:
-                publish({**whose(), "error": f"{kind.__name__}: {first}"})
+                publish({**whose(), "error": f"{kind.__name__}: {first}", "refused": refused})
             except Exception:  # the coordinator is gone: the exit code still tells
                 pass
         previous(kind, error, tb)

@@ -6,6 +6,7 @@ same machine when it is given a rank. An exception of the script's own is not a 
 it propagates (session.py reports it to the coordinator, which stops the job).
 
     TRAINING --failure--> leave generation g --recover()--> restored, rejoined g+1 --> TRAINING
+    SET-UP (_begin) --failure before the first commit--> recover() --> rejoined g+1 --> SET-UP again
     TRAINING --script error--> re-raise (traceback, exit 1; the job stops)
 """
 
@@ -25,7 +26,7 @@ from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
-from deadpool.runtime.persist import describe_misfit, load_from_disk
+from deadpool.runtime.persist import check_fits, describe_misfit, load_from_disk
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.replay import InputFingerprints
 from deadpool.runtime.snapshot import read_committed
@@ -72,10 +73,11 @@ class StepLoop:
         """Runs steps until `steps` or an agreed stop, recovering from failures on the way."""
         _count_compilation_as_waiting(self.member.progress, self.member.ctx.events)
         self.steps = steps
-        cause = "activated as a spare" if self.recovery is not None else self._attempt(self._begin)
+        cause = "joined in a later generation" if self.recovery is not None else self._attempt(self._begin)
         while cause or not (self.stopped or (steps is not None and self.member.step >= steps)):
-            if cause:
-                self._recover(cause)
+            if cause and self._recover(cause):  # nothing was committed: the job's start is done again
+                cause = self._attempt(self._begin)
+                continue
             cause = self._attempt(lambda: self._one_step(train_step))
         self._finish()
 
@@ -92,6 +94,7 @@ class StepLoop:
             self._resume()
         member.engine.start(member.inc, member.watch)
         member.hold()
+        member.ctx.faults.point("setup", 0)
         if self.every:
             member.engine.capture(member.step, member.tree)
             with member.progress.waiting_for("commit"):
@@ -100,6 +103,7 @@ class StepLoop:
     def _resume(self) -> None:
         """`deadpool run --resume`: this rank's state, RNGs and step counter come from the checkpoint."""
         member, path = self.member, self.member.ctx.config.resume
+        check_fits(Path(path), member.tree)
         loaded = member.engine.slots[0]
         with member.progress.waiting_for("resume"):
             step = load_from_disk(Path(path), member.rank, loaded)
@@ -211,11 +215,13 @@ class StepLoop:
             ctx.events.emit("error_judged", error=type(error).__name__, failure=verdict.failure, reason=verdict.reason)
         return verdict
 
-    def _recover(self, cause: str) -> None:
-        """Leaves the failed generation and runs the recovery state machine into the next one."""
+    def _recover(self, cause: str) -> bool:
+        """Leaves the failed generation and runs the recovery state machine into the next one. True: nothing
+        was committed, so nothing was restored, and the job's start must be done again (_begin)."""
         member, started, was = self.member, time.monotonic(), self.member.step
         guard_exit()
-        activated = self.recovery is not None  # a spare whose recovery began in init(): it is in the group already
+        activated = self.recovery is not None  # its recovery began in init() (a spare, or a worker whose
+        # generation 0 failed in start-up): it is in the group already
         if not activated:
             member.frontier = max(member.frontier, member.step)
             member.ctx.events.emit("failure_seen", cause=cause, step=member.step)
@@ -233,12 +239,15 @@ class StepLoop:
             raise
         assert done is not None
         _, target = done
-        if activated:
+        spare = member.ctx.role == "spare"
+        if activated and spare:
             member.ctx.events.emit("spare_activated", restored_step=target)
-        where = (f"took this rank over at step {target}" if activated else f"resumed at step {target}"
+        where = ("begins afresh (a rank died before the first commit)" if target is None else
+                 f"took this rank over at step {target}" if activated and spare else f"resumed at step {target}"
                  if target == was else f"rolled back to step {target} (was at {was})")
         print(f"[deadpool] rank {member.rank}: generation {member.inc.generation}, {where} "
               f"in {time.monotonic() - started:.2f} s", flush=True)
+        return target is None
 
 
 def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:

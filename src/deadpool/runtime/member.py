@@ -15,6 +15,7 @@ import time
 import torch
 
 from deadpool.coordinator.protocol import ENV_DEVICE
+from deadpool.errors import PeerFailure
 from deadpool.runtime.agree import agree_on_restore
 from deadpool.runtime.comms import DataParallel, abandon_group, communicating, join_group, leave_group, pick_backend
 from deadpool.runtime.context import Context
@@ -73,9 +74,13 @@ class Member:
         start = time.monotonic()
         # referenced as long as the group lives: torch keeps only the C++ half of a store written in Python
         self.rendezvous = Interruptible(self.ctx.store, self.watch.aborted)
-        with communicating(f"joining generation {self.inc.generation}'s process group"):
-            join_group(self.rendezvous, self.inc.group_prefix(), self.backend, self.rank, self.world_size,
-                       self.ctx.config.collective_timeout_s)
+        what = f"joining generation {self.inc.generation}'s process group"
+        with communicating(what):
+            try:
+                join_group(self.rendezvous, self.inc.group_prefix(), self.backend, self.rank, self.world_size,
+                           self.ctx.config.collective_timeout_s)
+            except InterruptedError:  # the rendezvous gave up (the abort): torch lets the store's own error through
+                raise PeerFailure(f"{what} was given up: generation {self.inc.generation} was aborted") from None
         self.ctx.events.emit("group_joined", duration_s=time.monotonic() - start, world_size=self.world_size,
                              device=str(self.device))
 
@@ -169,10 +174,16 @@ class Member:
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
 
-    def resume(self, step: int) -> None:
+    def resume(self, step: int | None) -> None:
         """Checks that every rank restored the same state, then restarts snapshots, first sending the
-        restored one to holders placed anew."""
+        restored one to holders placed anew. None (nothing was committed): the slots and replicas of the
+        failed start are dropped, and the step loop begins afresh (loop._begin), as at the job's start."""
         assert self.watch is not None
+        if step is None:
+            self.held.keep_only([])
+            self.engine.keep_only(None)
+            self.ctx.store.set(self.inc.resumed_key(), "afresh")
+            return
         self.attach(sync=False)
         agree_on_restore(self, step)
         self.held.keep_only(self.inc.plan.held_by(self.ctx.proc))

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Callable
 
 from deadpool.config import JobConfig
-from deadpool.errors import ConfigError, ProtocolError
+from deadpool.errors import CheckpointError, ProtocolError
 from deadpool.protocol.records import PersistOrder, PersistReport
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.slots import Slot, checksum
+from deadpool.runtime.state import Stateful, flatten
 
 POLL_S = 0.1  # how often a process looks for a new order: checkpoints are minutes apart, a write takes seconds
 
@@ -131,7 +132,22 @@ def checkpoint_of(config: JobConfig, step: int) -> Path:
     raise ProtocolError(f"checkpoint {step} is not on disk (--persist-dir {config.persist_dir or 'not given'})")
 
 
-def describe_misfit(path: str, error: Exception) -> ConfigError:
-    """A checkpoint whose state does not load into this job's (other shapes, other names)."""
+def check_fits(path: Path, tree: dict[str, Stateful]) -> None:
+    """Before a rank resumes: CheckpointError (the job is refused, exit 2) if the checkpoint's shapes are not the
+    live state's (another model), in one line naming the first that differs."""
+    from deadpool.disk.chunks import stable_shapes
+    from deadpool.disk.manifest import MANIFEST, read_json, shapes_misfit
+
+    flat = flatten(tree)  # views of the live tensors: nothing is copied
+    live = stable_shapes({"skeleton": flat.skeleton, "stable": flat.stable,
+                          "tensors": [(None, list(t.shape)) for t in flat.tensors]})
+    misfit = shapes_misfit(read_json(path / MANIFEST) or {"identity": {"shapes": {}}}, live)
+    if misfit is not None:
+        raise CheckpointError(f"cannot resume from {path}: it holds the state of another job ({misfit})")
+
+
+def describe_misfit(path: str, error: Exception) -> CheckpointError:
+    """A checkpoint whose state does not load into this job's (names check_fits cannot see: those only the
+    checkpoint has). The job is refused (exit 2), as for a checkpoint of another world size."""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return ConfigError(f"cannot resume from {path}: it holds the state of another job ({first})")
+    return CheckpointError(f"cannot resume from {path}: it holds the state of another job ({first})")

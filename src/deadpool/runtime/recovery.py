@@ -11,6 +11,10 @@ The group is joined before the state is restored so that a spare's deadpool.init
 default group in place (the script may call torch.distributed at once), while its script builds the
 model; the survivors wait for it in RESUME.
 
+When nothing was committed yet (a rank died in start-up), the target is None: nothing is restored, and
+every rank begins afresh (loop._begin), as at the job's start; a worker that had not joined generation 0
+yet enters this machine from deadpool.init(), as a spare does.
+
 A process the new plan no longer names has been fenced out: it must stop, never rejoin.
 """
 
@@ -64,8 +68,9 @@ class Member(Protocol):
 
     def restore(self, step: int) -> None: ...
 
-    def resume(self, step: int) -> None:
-        """Checks every rank restored `step`, restarts snapshots; PeerFailure if a peer fails meanwhile."""
+    def resume(self, step: int | None) -> None:
+        """Checks every rank restored `step`, restarts snapshots; PeerFailure if a peer fails meanwhile.
+        None: nothing to agree on, the step loop begins afresh."""
 
 
 class Recovery:
@@ -81,20 +86,21 @@ class Recovery:
         self.inc = inc
         self.gen = failed_gen if inc is None else inc.generation
         self.deadline = time.monotonic() + ctx.config.plan_wait_s
-        self.target = -1
+        self.target: int | None = -1  # -1: not known yet; None: nothing was committed, begin afresh
         self.started = time.monotonic()
         self.marks: dict[str, float] = {}
 
-    def run(self, until: State | None = None) -> tuple[Incarnation, int] | None:
+    def run(self, until: State | None = None) -> tuple[Incarnation, int | None] | None:
         """Runs the states up to `until` (None if it stopped there), or to a running generation: returns it
-        and the restored step. SwapAborted if the job ends, WorkerFailure if this process was fenced out."""
+        and the restored step (None: begin afresh). SwapAborted if the job ends, WorkerFailure if this process
+        was fenced out."""
         while self.state is not until:
             done = self._advance()
             if done is not None:
                 return done
         return None
 
-    def _advance(self) -> tuple[Incarnation, int] | None:
+    def _advance(self) -> tuple[Incarnation, int | None] | None:
         ctx, member = self.ctx, self.member
         if self.state is State.AWAIT_PLAN:
             member.leave()
@@ -125,7 +131,7 @@ class Recovery:
             if got == inc.abort_key():
                 self._again()
                 return None
-            self.target = int(ctx.store.get(inc.target_key()))
+            self.target = json.loads(ctx.store.get(inc.target_key()))
             self.marks["agreed"] = time.monotonic()
             self.state = State.JOIN
         elif self.state is State.JOIN:
@@ -134,7 +140,8 @@ class Recovery:
                 self.state = State.RESTORE
         elif self.state is State.RESTORE:
             self.marks["restore"] = time.monotonic()
-            member.restore(self.target)
+            if self.target is not None:
+                member.restore(self.target)
             self.marks["restored"] = time.monotonic()
             self.state = State.RESUME
         elif self.state is State.RESUME:
@@ -207,7 +214,7 @@ def hand_over(ctx: Context, inc: Incarnation, rank: int, slots: list[Slot]) -> N
     over = lambda: store.check([inc.abort_key()]) or store.check([ctx.keys.shutdown()])  # noqa: E731
     try:
         sent = send_replica(Interruptible(store, over), inc.transfer_prefix(rank), ctx.config.token, inc.generation,
-                            slots, ctx.config.collective_timeout_s)
+                            slots, ctx.config.collective_timeout_s, lambda: ctx.faults.point("handover", 0, rank=rank))
         ctx.events.emit("replica_handed_over", of_rank=rank, to=inc.plan.ranks[rank], snapshots=sent)
     except Exception as error:  # the taker died or the generation moved on: the coordinator decides what next
         ctx.events.emit("handover_failed", of_rank=rank, error=str(error).splitlines()[0] if str(error) else "")

@@ -119,14 +119,17 @@ class ReplicaReceiver:
         return slot
 
 
-def send_replica(store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float) -> int:
+def send_replica(store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float,
+                 announced: Callable[[], None] = lambda: None) -> int:
     """Recovery, holder -> taker: streams every snapshot of one rank it holds to the process taking it over,
     unchecked: the taker checks each on arrival anyway (the one pass over the bytes a transfer needs) and
-    keeps only those that pass. Returns how many the taker accepted."""
+    keeps only those that pass. Returns how many the taker accepted. `announced` runs once the taker knows how
+    many come, before the two connect (a planned fault: the holder dies while its taker waits for it)."""
     sealed = sorted((s for s in slots if s.step is not None), key=lambda s: s.step or 0)
     store.set(f"{prefix}count", str(len(sealed)))
     accepted = 0
     if sealed:
+        announced()
         sender = ReplicaSender(store, prefix, token, gen, timeout_s)
         for slot in sealed:
             try:

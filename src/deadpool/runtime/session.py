@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from deadpool.errors import ConfigError, UsageError
+from deadpool.errors import ConfigError, PeerFailure, UsageError
 from deadpool.runtime import standalone
 from deadpool.runtime.comms import DataParallel
 from deadpool.runtime.context import Context
@@ -74,7 +74,14 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
         return session
     ctx.wait_key(ctx.keys.plan(0), time.monotonic() + ctx.config.connect_timeout_s)
     session = Session(ctx, Incarnation.of(ctx.plan(0), ctx.proc, ctx.keys))
-    session.member.enter()  # the script may use torch.distributed from here on
+    ctx.faults.point("init", 0)
+    try:
+        session.member.enter()  # the script may use torch.distributed from here on
+    except PeerFailure:
+        # A rank died in start-up, so generation 0 never formed: this worker goes on in the generation that
+        # replaces it, as a spare does (nothing was committed, so every rank begins afresh in session.run).
+        recovery = session.loop.recovery = Recovery(ctx, session.member, 0, failed_step=None)
+        recovery.run(until=State.RESTORE)
     joined.append(session)
     return session
 

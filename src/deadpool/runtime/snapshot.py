@@ -184,8 +184,8 @@ class SnapshotEngine:
     def slot_for(self, step: int) -> Slot:
         return next(s for s in self.slots if s.step == step)
 
-    def keep_only(self, step: int) -> None:
-        """After restoring `step`, the other slot holds a step of a failed generation: free it."""
+    def keep_only(self, step: int | None) -> None:
+        """After restoring `step`, the other slot holds a step of a failed generation: free it (None: free both)."""
         for slot in self.slots:
             if slot.step != step:
                 slot.step = None

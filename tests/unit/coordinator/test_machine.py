@@ -182,6 +182,24 @@ def test_no_intact_snapshot_to_restore_fails_the_job():
     assert emitted(effects, "job_failed")[0]["reason"].startswith("cannot recover from memory: no snapshot")
 
 
+def test_a_death_before_the_first_commit_makes_every_rank_begin_afresh():
+    s = started()  # nothing committed yet: the ranks are still setting up
+    s, _ = advance(s, killed("w1", pid=42), 1.0)
+    s, effects = advance(s, Inputs(), 1.1)
+    assert effects[0].plan.ranks == ("w0", "s0") and s.phase is Phase.AWAIT_READY
+    s, effects = advance(s, ready(0, 1, steps=()), 2.0)  # nobody holds a snapshot
+    assert kinds(effects) == ["restore_decided", "WriteCommit", "WriteTarget", "PublishStatus"]
+    assert effects[1:3] == (WriteCommit(1, None, ()), WriteTarget(1, None))
+    assert emitted(effects, "restore_decided")[0]["target"] is None
+    assert "every rank begins afresh" in emitted(effects, "restore_decided")[0]["reason"]
+    assert (s.phase, s.committed) == (Phase.AWAIT_RESUMED, None)
+    s, effects = advance(s, Inputs(resumed=frozenset({0, 1})), 3.0)
+    assert emitted(effects, "swap_complete")[0]["restored_step"] is None and effects[-2] == MarkRunning(1)
+    assert "generation 1 running: began afresh; s0 is now rank 1" in effects[1].text
+    s, effects = advance(s, durable(s, 0), 4.0)  # the new generation commits its snapshot 0
+    assert effects[0] == WriteCommit(1, 0, ()) and s.committed == 0
+
+
 def test_a_failure_during_a_recovery_is_planned_with_the_first_as_one_set():
     s = started(replace(CONFIG, spares=2))
     s = recovering(s, "w1", 10.0)
@@ -362,6 +380,16 @@ def test_a_script_error_stops_the_job_at_once_without_a_swap():
     assert reason.startswith("error in the training script on rank 0 (w0) at step 3: raised ValueError: boom.")
     assert s.exit_code == 1 and s.plan.generation == 0
     assert (effects[2].status.outcome, effects[2].status.reason) == ("failed", reason)
+
+
+def test_a_checkpoint_of_another_job_refused_by_a_rank_stops_the_job_with_exit_2_in_one_line():
+    s = started(replace(CONFIG, resume="/ckpt/step-4"))
+    why = "cannot resume from /ckpt/step-4: it holds the state of another job (model.w has shape [4] ...)"
+    error = ScriptError(rank=0, step=0, error=f"CheckpointError: {why}", refused=True)
+    s, effects = advance(s, killed("w0", code=1, script_error=error), 4.0)
+    assert s.exit_code == 2 and emitted(effects, "job_failed")[0]["reason"] == why
+    assert [(e.text, e.error) for e in effects if type(e).__name__ == "Say"] == [(why, True)]  # one line
+    assert Stop("failed", grace_s=5.0) in effects
 
 
 def test_a_called_spares_set_up_error_names_the_spare_the_rank_and_step_and_that_a_spare_was_used():

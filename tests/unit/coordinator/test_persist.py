@@ -10,7 +10,7 @@ from deadpool.coordinator.machine import advance, start
 from deadpool.coordinator.persist import persist_due, writers_of
 from deadpool.coordinator.policy import Durable
 from deadpool.coordinator.protocol import Plan
-from deadpool.coordinator.state import CoordinatorState, Emit, Finalize, Inputs, OrderPersist, Stop
+from deadpool.coordinator.state import CoordinatorState, Emit, Finalize, Inputs, OrderPersist, Say, Stop
 from deadpool.protocol.records import PersistOrder, PersistReport
 
 CONFIG = JobConfig(script="train.py", workers=2, spares=1, run_dir="run", persist_dir="ckpt", persist_every=2)
@@ -37,6 +37,7 @@ def report(step: int, proc: str, ok: bool = True, error: str = "") -> PersistRep
 def test_an_idle_spare_holding_a_rank_writes_it_else_the_rank_itself():
     plan = Plan(0, ranks=("w0", "w1", "w2"), holders=(("s0",), ("w2",), ("s0", "w0")), spares=("s0",))
     assert writers_of(plan) == ("s0", "w1", "s0")
+    assert writers_of(plan, lost=frozenset({"w1", "s0"})) == ("w0", "w2", "w2")  # a lost rank: its live holder
 
 
 @pytest.mark.parametrize("committed,persisted,commits,since,now,due", [
@@ -111,7 +112,7 @@ def test_sigterm_persists_the_newest_commit_then_stops_with_143():
     assert of(effects, Finalize) and s.exit_code is None
     s, effects = advance(s, Inputs(finalized={1: True}), 3.0)
     assert s.exit_code == 143 and of(effects, Stop) == [Stop("terminated", grace_s=0.0)]
-    assert emitted(effects, "job_stopped") == [{"signal": "SIGTERM", "persisted": 1, "committed": 1}]
+    assert emitted(effects, "job_stopped") == [{"by": "SIGTERM", "persisted": 1, "committed": 1}]
 
 
 def test_sigterm_stops_at_the_grace_even_if_the_write_is_not_done():
@@ -173,3 +174,58 @@ def test_when_memory_cannot_recover_every_rank_restores_the_newest_checkpoint():
     s, effects = advance(s, Inputs(ready={0: [3], 1: []}), 3.0)  # ...but the replica turned out unusable
     assert emitted(effects, "restore_decided")[0]["from_disk"] is True
     assert of(effects, WriteTarget) == [WriteTarget(1, 2)]
+
+
+# ---- no spare left ---------------------------------------------------------------------------
+
+NODES = replace(CONFIG, spares=0, nproc_per_node=1, spare_wait_s=10.0, store_host="10.0.0.1", store_port=29500)
+
+
+def test_when_the_spare_wait_runs_out_the_newest_commit_is_persisted_then_the_job_fails_saying_how_to_go_on():
+    from deadpool.coordinator.state import ExitReport, Phase
+
+    s, _ = start(NODES)  # two worker nodes, no spare: each worker holds the other's replica
+    s, _ = committing(s, 1, 1.0)
+    s, _ = advance(s, Inputs(exits=(ExitReport("w1", -9, 9, True),)), 2.0)
+    s, _ = advance(s, Inputs(), 2.1)
+    assert s.phase is Phase.AWAIT_SPARE and s.exit_code is None
+    s, effects = advance(s, Inputs(), 12.1)  # --spare-wait is over: persist before stopping
+    assert emitted(effects, "no_spare") and s.exit_code is None and not emitted(effects, "job_failed")
+    [ordered] = of(effects, OrderPersist)
+    assert (ordered.order.step, ordered.order.writers) == (1, ("w0", "w0"))  # w0 writes rank 1 from its replica
+    assert any(e.text.startswith("no spare left: writing step 1 to ckpt before stopping") for e in of(effects, Say))
+    s, effects = advance(s, Inputs(persist_reports={"w0": report(1, "w0")}), 13.0)
+    assert of(effects, Finalize) and s.exit_code is None
+    s, effects = advance(s, Inputs(finalized={1: True}), 13.5)
+    assert s.exit_code == 1 and s.persisted == 1 and of(effects, Stop) == [Stop("failed", grace_s=5.0)]
+    assert emitted(effects, "job_stopped") == [{"by": "no spare", "persisted": 1, "committed": 1}]
+    [failed] = emitted(effects, "job_failed")
+    assert failed["reason"].startswith("node 1 (rank 1) was lost and no spare is left in the pool, and no spare node "
+                                       "joined within --spare-wait 10 s. Last committed step: 1.")
+    assert failed["reason"].endswith("Step 1 is on disk in ckpt; go on from it with the same command and "
+                                     "--resume auto.")
+
+
+def test_with_no_spare_on_one_machine_the_newest_commit_is_persisted_unless_it_is_on_disk_already():
+    from deadpool.coordinator.state import ExitReport
+
+    s, _ = start(replace(CONFIG, spares=0))
+    s, _ = committing(s, 1, 1.0)
+    s = replace(s, persisted=1)  # step 1 is on disk already: nothing to write
+    s, _ = advance(s, Inputs(exits=(ExitReport("w1", -9, 9, True),)), 2.0)
+    s, effects = advance(s, Inputs(), 2.1)
+    assert not of(effects, OrderPersist) and s.exit_code is None
+    s, effects = advance(s, Inputs(), 2.2)
+    [failed] = emitted(effects, "job_failed")
+    assert s.exit_code == 1 and "no spare is left in the pool" in failed["reason"]
+    assert "Add spares (--spares)" in failed["reason"] and "Step 1 is on disk in ckpt" in failed["reason"]
+
+
+def test_with_no_spare_and_no_disk_tier_the_job_fails_at_once():
+    from deadpool.coordinator.state import ExitReport
+
+    s, _ = start(replace(NODES, persist_dir="", spare_wait_s=0.0))
+    s, _ = committing(s, 1, 1.0)
+    s, _ = advance(s, Inputs(exits=(ExitReport("w1", -9, 9, True),)), 2.0)
+    s, effects = advance(s, Inputs(), 2.1)
+    assert s.exit_code == 1 and not of(effects, OrderPersist) and not emitted(effects, "job_stopped")

@@ -3,6 +3,7 @@
 from tests.unit.disk.snapshots import replicated_slots, sharded_slots
 
 from deadpool.disk import Identity, compatible
+from deadpool.disk.manifest import shapes_misfit
 
 
 def manifest_of(identity: Identity) -> dict:
@@ -34,3 +35,13 @@ def test_compatible_names_every_difference_in_one_line():
     assert "\n" not in line
     assert compatible(manifest_of(saved), Identity("cfg", "replicated", 3, saved.shapes)) == \
         "world size 2 in the checkpoint, 3 now"
+
+
+def test_shapes_misfit_names_what_the_live_state_lacks_or_shapes_otherwise_not_state_built_later():
+    saved = Identity("cfg", "replicated", 2, {"model.w": [4, 3], "model.b": [3], "model.c": [2],
+                                              "optimizer.state.0.exp_avg": [4, 3]})
+    assert shapes_misfit(manifest_of(saved), {"model.w": [4, 3], "model.b": [3], "model.c": [2]}) is None
+    live = {"model.w": [8, 3], "model.b": [8], "model.c": [2], "model.new": [1]}
+    assert shapes_misfit(manifest_of(saved), live) == (
+        "model.new missing from the checkpoint; model.w has shape [4, 3] in the checkpoint, [8, 3] now "
+        "(and 1 more of other shapes)")

@@ -22,13 +22,15 @@ from deadpool.launcher.options import job_config, parse_faults, snapshot_every
     ("error:1:20", [Fault(kind="error", rank=1, step=20)]),
     ("kill:0+2:5", [Fault(kind="kill", rank=0, step=5), Fault(kind="kill", rank=2, step=5)]),
     ("kill:2+2:5", [Fault(kind="kill", rank=2, step=5)]),
+    ("kill:1:0:init", [Fault(kind="kill", rank=1, step=0, phase="init")]),
 ])
 def test_parse_faults(text, faults):
     assert parse_faults(text) == faults
 
 
 FORMAT = ("expected KIND:RANK[+RANK...]:STEP[:PHASE], e.g. kill:2:15:backward or kill:0+2:15 "
-          "(phases: step_start, forward, backward, after_optimizer, snapshot_copy, replicate, recovery)")
+          "(phases: step_start, forward, backward, after_optimizer, snapshot_copy, replicate, recovery, init, setup, "
+          "handover)")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -42,7 +44,8 @@ FORMAT = ("expected KIND:RANK[+RANK...]:STEP[:PHASE], e.g. kill:2:15:backward or
     ("explode:1:2", "fault kind 'explode' is not one of ('kill', 'kill_node', 'hang', 'error', 'corrupt_replica')"),
     ("kill:1:0", "fault needs rank >= 0 and step >= 1, got rank=1 step=0"),
     ("kill:1:2:sideways", "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', "
-                          "'after_optimizer', 'snapshot_copy', 'replicate', 'recovery')"),
+                          "'after_optimizer', 'snapshot_copy', 'replicate', 'recovery', 'init', 'setup', "
+                          "'handover')"),
 ])
 def test_parse_faults_rejects(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(message)}$"):

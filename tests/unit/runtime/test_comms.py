@@ -152,3 +152,37 @@ def test_abandon_group_releases_a_synchronous_gloo_collective():
         for proc in procs:
             proc.kill()
             proc.join(10)
+
+
+class _GivenUp(dist.Store):
+    """A rendezvous store whose every wait gives up at once, as comms' Interruptible does on an abort."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = dist.HashStore()
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        raise InterruptedError(f"stopped while waiting for {key}")
+
+    def wait(self, keys, timeout=None):
+        raise InterruptedError(f"stopped while waiting for {keys}")
+
+    def add(self, key, value):
+        return self.inner.add(key, value)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+
+def test_a_join_given_up_leaves_the_default_groups_name_for_the_next_join():
+    """torch names the default group by a counter that keys its rendezvous; a join that failed must not move
+    it, or the process would wait for its peers under another name in the next generation (a worker whose
+    generation 0 was aborted in start-up did: the job hung)."""
+    world = dist.distributed_c10d._world
+    count = world.group_count
+    with pytest.raises(InterruptedError):  # torch lets a Python store's own error through as it is
+        join_group(_GivenUp(), "g0/", "gloo", 0, 2, 5.0)
+    assert world.group_count == count and not dist.is_initialized()

@@ -8,6 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from deadpool.errors import (
+    CheckpointError,
     CollectiveAborted,
     ConfigError,
     GenerationAborted,
@@ -127,13 +128,16 @@ def test_uncaught_errors_reported_to_the_coordinator(monkeypatch):
     monkeypatch.setattr(sys, "excepthook", lambda *info: None)
     reports: list[dict] = []
     let_through = raised(RuntimeError("Tensors must be CPU and dense"), IN_C10D)
-    report_script_errors(reports.append, lambda: {"rank": 1}, lambda error: error is let_through)
+    misfit = CheckpointError("cannot resume from /ckpt/step-4: it holds the state of another job")
+    report_script_errors(reports.append, lambda: {"rank": 1}, lambda error: error in (let_through, misfit))
     for error in (let_through, raised(TimeoutError("socket timed out")), ConfigError("bad name"),
-                  WorkerFailure("w1 was fenced out"), raised(RuntimeError("Connection closed by peer"), IN_C10D)):
+                  WorkerFailure("w1 was fenced out"), raised(RuntimeError("Connection closed by peer"), IN_C10D),
+                  misfit):
         sys.excepthook(type(error), error, error.__traceback__)
-    assert reports == [{"rank": 1, "error": "RuntimeError: Tensors must be CPU and dense"},
-                       {"rank": 1, "error": "TimeoutError: socket timed out"},
-                       {"rank": 1, "error": "ConfigError: bad name"}]
+    assert reports == [{"rank": 1, "error": "RuntimeError: Tensors must be CPU and dense", "refused": False},
+                       {"rank": 1, "error": "TimeoutError: socket timed out", "refused": False},
+                       {"rank": 1, "error": "ConfigError: bad name", "refused": False},
+                       {"rank": 1, "error": f"CheckpointError: {misfit}", "refused": True}]  # refused: exit 2
 
 
 def test_an_uncaught_error_ends_the_process_after_its_traceback_and_exit_handlers(tmp_path):

@@ -1,0 +1,50 @@
+"""Tests for deadpool/faults/plan.py: a planned fault fires at its exact point, for its rank, once per job."""
+
+import pytest
+
+from deadpool.config import Fault
+from deadpool.coordinator.protocol import Keys
+from deadpool.errors import InjectedError
+
+
+class Counters:
+    """The one store call the injector makes: add."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def add(self, key: str, value: int) -> int:
+        self.values[key] = self.values.get(key, 0) + value
+        return self.values[key]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict]] = []
+
+    def emit(self, event: str, **fields) -> None:
+        self.seen.append((event, fields))
+
+
+def injector(*faults: Fault, rank: int | None):
+    from deadpool.faults.plan import FaultInjector
+
+    events = Events()
+    faults_ = FaultInjector(faults, Counters(), Keys("job"), events)
+    faults_.rank = rank
+    return faults_, events
+
+
+def test_a_holder_handing_over_fires_the_fault_planned_for_the_rank_it_hands_over_once():
+    faults, events = injector(Fault(kind="error", rank=3, step=0, phase="handover"), rank=0)  # s0, now rank 0
+    faults.point("handover", 0, rank=2)  # another rank's hand-over: nothing
+    with pytest.raises(InjectedError, match="^injected error on rank 3 in handover of step 0$"):
+        faults.point("handover", 0, rank=3)
+    faults.point("handover", 0, rank=3)  # once per job
+    assert events.seen == [("fault_injected", dict(kind="error", target_rank=3, step=0, phase="handover"))]
+
+
+def test_a_process_without_a_rank_fires_nothing_of_its_own():
+    faults, events = injector(Fault(kind="error", rank=1, step=0, phase="init"), rank=None)
+    faults.point("init", 0)
+    assert events.seen == []
