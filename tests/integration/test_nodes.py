@@ -50,11 +50,21 @@ def test_a_whole_node_dies_and_one_spare_node_takes_all_its_ranks(tmp_path, refe
     assert all("lost with node 1" in f["exit"] for f in failures)
 
 
-def test_one_rank_of_a_node_dies_and_a_spare_takes_it(tmp_path, reference):
-    job = run_job(tmp_path, faults=(Fault(kind="kill", rank=1, step=5, phase="backward"),), **NODES)
+def test_one_rank_of_a_node_dies_and_a_spare_takes_it(tmp_path, reference, capfd):
+    """Also what the agents print: each line prefixed with its node and process; a spare's only once it took a
+    rank (its banner, held in its log till then, comes first), an idle spare's never (slow_steps.py prints a
+    banner before init, pausing 0 s)."""
+    job = run_job(tmp_path, faults=(Fault(kind="kill", rank=1, step=5, phase="backward"),), **NODES,
+                  script=SCRIPTS / "slow_steps.py", script_prefix=("0",), echo=sys.stdout)
     assert_same_training(job, reference)
     [recovery] = job.summary["recoveries"]
     assert recovery["failed_ranks"] == [1] and recovery["replaced"] == {"1": "s1"}  # the spare holding its replica
+    banner = "slow_steps: every forward pass of the GPT paused 0 s ({})"
+    out = capfd.readouterr().out.splitlines()
+    assert f"[n0:w0] {banner.format('w0')}" in out and f"[n1:w3] {banner.format('w3')}" in out
+    assert not [line for line in out if line.startswith(("[n2:s0", "[n2:s1]"))]  # idle: never on the console
+    assert [line for line in out if line.startswith("[n2:s1=r1] ")][0] == f"[n2:s1=r1] {banner.format('s1')}"
+    assert banner.format("s0") in (tmp_path / "logs" / "s0.log").read_text()  # held in its log
 
 
 def test_two_nodes_fail_apart_and_together_with_two_spare_nodes(tmp_path, reference):

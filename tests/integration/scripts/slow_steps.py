@@ -1,7 +1,9 @@
 """The example trainer with every forward pass of the GPT slowed by SECONDS (a sleep: the numbers are
 untouched), so that a test can act while the job runs. Usage: slow_steps.py SECONDS [example args...]
+Like many scripts, it prints a banner before deadpool.init(): an idle spare prints it too.
 """
 
+import os
 import runpy
 import sys
 import time
@@ -11,6 +13,7 @@ import torch
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt" / "train.py"
 pause = float(sys.argv[1])
+print(f"slow_steps: every forward pass of the GPT paused {pause:g} s ({os.environ.get('DEADPOOL_PROC')})", flush=True)
 
 
 def slow(module: torch.nn.Module, _args: object) -> None:
