@@ -26,6 +26,8 @@ def test_an_exception_in_train_step_stops_the_job_without_a_swap(tmp_path):
     logs = {p.stem: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
     assert sum(log.count("Traceback (most recent call last)") for log in logs.values()) == 1
     assert "InjectedError: injected error on rank 1" in logs["w1"]
+    # each log is the process's stdout and stderr: no C++ abort after the error, in any process
+    assert not [name for name, log in logs.items() if "terminate called" in log]
 
 
 def test_a_script_that_fails_before_init_stops_the_job(tmp_path):
