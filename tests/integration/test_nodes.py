@@ -124,8 +124,9 @@ def test_a_spare_node_joins_after_the_pool_ran_empty_and_a_later_node_failure_us
     """Node 1 dies and spare node 2 takes its ranks: the pool is empty. A new machine joins as spare node 3
     (`deadpool agent --spare`); the job places its replicas there in a new generation. Then node 0 dies as
     a whole, and node 3 takes ranks 0 and 1 from its replicas. Steps are slowed (a sleep in each forward
-    pass: same numbers) so that the join fits in the run."""
-    job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.5",),
+    pass, until node 0 is killed: same numbers) so that the join fits in the run."""
+    killed = tmp_path / "killed"
+    job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.5", "--until", str(killed)),
                      faults=(Fault(kind="kill_node", rank=2, step=2),))
     events = job.wait_for(lambda e: e["event"] == "swap_complete")
     agent = _join_as_spare(events, tmp_path)
@@ -133,6 +134,7 @@ def test_a_spare_node_joins_after_the_pool_ran_empty_and_a_later_node_failure_us
         events = job.wait_for(lambda e: e["event"] == "pool_refilled")
         [joined] = [e for e in events if e["event"] == "nodes_joined"]
         os.killpg(joined["agent_pids"][0], signal.SIGKILL)  # node 0: its agent and both of its ranks
+        killed.touch()
         done = job.join()
     finally:
         code = _stopped(agent)
