@@ -36,6 +36,26 @@ def plain_env(**extra: str) -> dict[str, str]:
                                                                       "MASTER_", "TORCHELASTIC_"))}, **extra}
 
 
+def master_port() -> str:
+    """A free port P whose P + 1 is free too: torchrun's store takes P, DeadPool's control plane P + 1 (torchrun's
+    own choice of P leaves P + 1 to chance)."""
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return str(port)
+    raise AssertionError("no two consecutive free ports in 50 tries")
+
+
+def torchrun_two_ranks_of(script: Path) -> list[str | Path]:
+    """`torchrun --nproc-per-node 2 SCRIPT` on a master port whose next port is free."""
+    return [TORCHRUN, "--master-port", master_port(), "--nproc-per-node", "2", script]
+
+
 def summary_in(cwd: Path) -> dict:
     """The summary of the one run that rank 0 started in `cwd`."""
     (run_dir,) = (cwd / "deadpool-runs").iterdir()
@@ -53,7 +73,7 @@ def run_plain(cwd: Path, *argv: str | Path, code: int = 0) -> tuple[str, dict]:
 @pytest.fixture(scope="module")
 def torchrun_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     """The example under one plain `torchrun --nproc-per-node 2`: its output and summary."""
-    return run_plain(tmp_path_factory.mktemp("torchrun"), TORCHRUN, "--nproc-per-node", "2", TRAIN, *TINY)
+    return run_plain(tmp_path_factory.mktemp("torchrun"), *torchrun_two_ranks_of(TRAIN), *TINY)
 
 
 def test_python_runs_the_example_as_one_rank_without_spares(tmp_path: Path) -> None:
@@ -84,7 +104,7 @@ def test_torchrun_runs_the_example_as_deadpool_run_does(tmp_path: Path, torchrun
 def test_torchrun_runs_the_port_to_the_end(tmp_path: Path) -> None:
     """The port under plain torchrun (its weights equal `deadpool run`'s as the example's hashes do above, and
     torchrun DDP's as test_real_scripts shows): every iteration printed once, the final weights saved."""
-    out, summary = run_plain(tmp_path, TORCHRUN, "--nproc-per-node", "2", PORT, *TINY_PORT,
+    out, summary = run_plain(tmp_path, *torchrun_two_ranks_of(PORT), *TINY_PORT,
                              "--out-dir", tmp_path / "out")
     assert [f"iter {i}: loss" in out for i in range(3)] == [True] * 3
     assert (summary["exit_code"], summary["final_step"], len(summary["rank_state_sha256"])) == (0, 3, 2)
@@ -93,7 +113,7 @@ def test_torchrun_runs_the_port_to_the_end(tmp_path: Path) -> None:
 
 def test_under_torchrun_a_failure_ends_the_job_saying_why(tmp_path: Path) -> None:
     """No spare: rank 1's SIGKILL ends the job (torchrun stops the others too), and the summary names it."""
-    _, summary = run_plain(tmp_path, TORCHRUN, "--nproc-per-node", "2", SCRIPTS / "kill_rank_one.py", code=1)
+    _, summary = run_plain(tmp_path, *torchrun_two_ranks_of(SCRIPTS / "kill_rank_one.py"), code=1)
     assert summary["exit_code"] == 1 and summary["swaps"] == 0
     assert summary["error"].startswith("rank 1 (w1, pid ")
     # torchrun stops rank 0 as well: seen in the same settle window, rank 1's only holder is lost with it
@@ -109,15 +129,13 @@ def torchrun_nodes(tmp_path: Path, secrets: tuple[str | None, str | None], *scri
     ended, rank 0 (its pid ends its run directory's name) is SIGKILLed rather than left to time out. One thread
     per process, as torchrun sets it for several processes per node but not for one: CPU kernels on more
     threads round differently."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]  # torchrun's store; DeadPool's takes port + 1
+    port = master_port()
     procs = []
     for node, secret in enumerate(secrets):
         (tmp_path / f"node{node}").mkdir(parents=True)
         procs.append(subprocess.Popen(
             [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
-             "127.0.0.1", "--master-port", str(port), "--rdzv-id", f"nodes-{port}", *(str(a) for a in script)],
+             "127.0.0.1", "--master-port", port, "--rdzv-id", f"nodes-{port}", *(str(a) for a in script)],
             cwd=tmp_path / f"node{node}",
             env=plain_env(OMP_NUM_THREADS="1", **({ENV_SECRET: secret} if secret else {})), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
