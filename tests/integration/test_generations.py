@@ -97,10 +97,11 @@ def test_a_stale_process_woken_after_its_replacement_is_refused_everywhere(tmp_p
     """w1's twin holds generation 0's incarnation, sleeps (SIGSTOP) through w1's replacement, and is woken
     (SIGCONT) in generation 1: its writes land only under generation 0's keys, which nobody reads any more;
     it cannot join a group or stream a replica; its recovery finds itself fenced out. The job is unaffected.
-    Its steps are slowed (the same numbers as the reference's) so that the job outlasts the stale process's
-    tries: the five steps after the kill take 7.5 s."""
+    Its steps are paused 1.5 s (the numbers are the reference's) until the stale process has tried everything:
+    the job outlasts it."""
+    tried = tmp_path / "tried"
     background = Background(tmp_path / "run", faults=(Fault(kind="kill", rank=1, step=6),),
-                            script=SCRIPTS / "slow_steps.py", script_prefix=("1.5",))
+                            script=SCRIPTS / "slow_steps.py", script_prefix=("1.5", "--until", str(tried)))
     background.wait_for(lambda e: e["event"] == "plan_published")  # the run directory and its config exist
     env = {**os.environ, ENV_CONFIG: str(background.run_dir / "config.json"), ENV_PROC: "w1", ENV_ROLE: "worker"}
     stale = subprocess.Popen([sys.executable, str(STALE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -112,6 +113,7 @@ def test_a_stale_process_woken_after_its_replacement_is_refused_everywhere(tmp_p
         stale.send_signal(signal.SIGCONT)
         out, _ = stale.communicate(timeout=60)
     finally:
+        tried.touch()
         stale.kill()
         stale.wait(10)
     job = background.join()
