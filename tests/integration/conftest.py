@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import pytest
 
@@ -76,13 +76,14 @@ class Job:
 
 def run_job(run_dir: Path, *, steps: int | None = 10, workers: int = 4, spares: int = 1, faults: tuple[Fault, ...] = (),
             script_args: tuple[str, ...] = SMALL, script: Path = TRAIN, script_prefix: tuple[str, ...] = (),
-            **config: Any) -> Job:
+            echo: TextIO | None = None, **config: Any) -> Job:
     """Runs one job of `script` (the example by default) to its end; `script_prefix` goes before its arguments,
-    then `--steps STEPS` unless `steps` is None."""
+    then `--steps STEPS` unless `steps` is None. The processes' output goes to `echo` (and to the console, where
+    node agents run), as `deadpool run` prints it."""
     step_args = () if steps is None else ("--steps", str(steps))
     job_config = JobConfig(script=str(script), script_args=(*script_prefix, *step_args, *script_args),
                            workers=workers, spares=spares, run_dir=str(run_dir), faults=faults, **config)
-    code, summary = launch(job_config, echo=None)
+    code, summary = launch(job_config, echo=echo)
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     return Job(run_dir, code, summary)
 

@@ -72,7 +72,9 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
     """The reference job (4 workers, 1 spare), attacked while it trains: every listener of the launcher and its
     processes is on loopback; torch's client, a wrong secret and a replayed capture are refused and logged,
     can read and write nothing; the job ends bit for bit as the reference."""
-    job = Background(tmp_path / "run", script=SCRIPTS / "slow_steps.py", script_prefix=("1.0",),  # time to attack
+    attacked = tmp_path / "attacked"  # steps paused 1 s until then: time to attack
+    job = Background(tmp_path / "run", script=SCRIPTS / "slow_steps.py",
+                     script_prefix=("1.0", "--until", str(attacked)),
                      faults=(Fault(kind="kill", rank=1, step=99),))  # never fires: reported, disturbs nothing
     events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 2)
     pids = [os.getpid()] + [e["pid"] for e in events if e["event"] == "process_spawned"]
@@ -94,6 +96,7 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
     checker = StoreClient("127.0.0.1", port, secret, timeout_s=10)
     assert checker.check(["legit/key"]) and not checker.check(["rogue/key"])
     checker.close()
+    attacked.touch()
 
     done = job.join()
     assert_same_training(done, reference)

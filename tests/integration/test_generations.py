@@ -23,10 +23,10 @@ from deadpool.runtime.snapshot import SnapshotEngine
 from deadpool.runtime.watch import Watch
 from tests.plane import control_plane
 
-from .conftest import Background, run_job
+from .conftest import SCRIPTS, Background
 from .test_hot_swap import assert_same_training
 
-STALE = Path(__file__).with_name("scripts") / "stale_member.py"
+STALE = SCRIPTS / "stale_member.py"
 
 
 class Gate:
@@ -93,12 +93,15 @@ def _stale_snapshot_thread(tmp_path: Path, master: Table, config: JobConfig) -> 
         watch.close()
 
 
-def test_a_stale_process_woken_after_its_replacement_is_refused_everywhere(tmp_path):
+def test_a_stale_process_woken_after_its_replacement_is_refused_everywhere(tmp_path, reference):
     """w1's twin holds generation 0's incarnation, sleeps (SIGSTOP) through w1's replacement, and is woken
     (SIGCONT) in generation 1: its writes land only under generation 0's keys, which nobody reads any more;
-    it cannot join a group or stream a replica; its recovery finds itself fenced out. The job is unaffected."""
-    reference = run_job(tmp_path / "reference", steps=120)  # long enough to outlast the stale process's tries
-    background = Background(tmp_path / "run", steps=120, faults=(Fault(kind="kill", rank=1, step=6),))
+    it cannot join a group or stream a replica; its recovery finds itself fenced out. The job is unaffected.
+    Its steps are paused 1.5 s (the numbers are the reference's) until the stale process has tried everything:
+    the job outlasts it."""
+    tried = tmp_path / "tried"
+    background = Background(tmp_path / "run", faults=(Fault(kind="kill", rank=1, step=6),),
+                            script=SCRIPTS / "slow_steps.py", script_prefix=("1.5", "--until", str(tried)))
     background.wait_for(lambda e: e["event"] == "plan_published")  # the run directory and its config exist
     env = {**os.environ, ENV_CONFIG: str(background.run_dir / "config.json"), ENV_PROC: "w1", ENV_ROLE: "worker"}
     stale = subprocess.Popen([sys.executable, str(STALE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -110,6 +113,7 @@ def test_a_stale_process_woken_after_its_replacement_is_refused_everywhere(tmp_p
         stale.send_signal(signal.SIGCONT)
         out, _ = stale.communicate(timeout=60)
     finally:
+        tried.touch()
         stale.kill()
         stale.wait(10)
     job = background.join()

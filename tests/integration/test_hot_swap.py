@@ -111,7 +111,7 @@ def test_deaths_in_start_up_are_taken_over_and_every_rank_begins_afresh_bit_for_
 def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
     faults = (Fault(kind="kill", rank=1, step=3, phase="backward"), Fault(kind="kill", rank=2, step=6, phase="backward"))
     started = time.monotonic()
-    job = run_job(tmp_path, spares=1, faults=faults)
+    job = run_job(tmp_path, workers=3, spares=1, faults=faults)  # ranks 1 and 2 fail: three ranks show it
     assert time.monotonic() - started < 60  # bounded: nothing waits for a timeout
     assert job.code == 1
     assert job.summary["swaps"] == 1
@@ -124,22 +124,20 @@ def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
 
 
 def test_no_spare_at_all(tmp_path):
-    job = run_job(tmp_path, spares=0, faults=(Fault(kind="kill", rank=0, step=3, phase="backward"),))
+    job = run_job(tmp_path, workers=2, spares=0, faults=(Fault(kind="kill", rank=0, step=3, phase="backward"),))
     assert job.code == 1 and job.summary["swaps"] == 0
     assert "rank 0 (w0," in job.summary["error"] and "no spare is left in the pool" in job.summary["error"]
 
 
-def test_corrupted_replica_is_never_restored_from(tmp_path):
+def test_corrupted_replica_is_never_restored_from(tmp_path, reference):
     """The spare's copy of rank 2's snapshot 5 has a flipped byte: recovery falls back to step 4,
     which every rank still holds intact, and the run is still bit-for-bit equal.
 
-    The example's default model is used here: its steps are long enough that snapshot 5 is always
-    replicated before the kill in step 6's backward pass (checked below, not assumed).
+    Each forward pass is paused 0.3 s (slow_steps.py: the numbers are the reference's), so that snapshot 5 is
+    always replicated before the kill in step 6's backward pass (checked below, not assumed).
     """
-    default_model = ("--log-samples",)
-    reference = run_job(tmp_path / "reference", steps=8, script_args=default_model)
     faults = (Fault(kind="corrupt_replica", rank=2, step=5), Fault(kind="kill", rank=2, step=6, phase="backward"))
-    job = run_job(tmp_path / "faulty", steps=8, faults=faults, script_args=default_model)
+    job = run_job(tmp_path, faults=faults, script=SCRIPTS / "slow_steps.py", script_prefix=("0.3",))
     [rejected] = [e for e in job.named("replica_rejected") if e.get("step") == 5]
     assert rejected["of_rank"] == 2 and "checksum" in rejected["error"]
     [decided] = job.named("restore_decided")
@@ -153,7 +151,7 @@ def test_corrupted_replica_with_no_intact_fallback_stops_cleanly(tmp_path):
     """Killed while sending snapshot 6, rank 2's only other replica (5) is corrupt: the spare holds
     nothing intact, so the job stops and says why instead of restoring bad bytes."""
     faults = (Fault(kind="corrupt_replica", rank=2, step=5), Fault(kind="kill", rank=2, step=6, phase="replicate"))
-    job = run_job(tmp_path, faults=faults)
+    job = run_job(tmp_path, workers=3, faults=faults)
     assert job.code == 1
     [decided] = job.named("restore_decided")
     assert decided["target"] is None and decided["holdings"]["2"] == []

@@ -50,11 +50,21 @@ def test_a_whole_node_dies_and_one_spare_node_takes_all_its_ranks(tmp_path, refe
     assert all("lost with node 1" in f["exit"] for f in failures)
 
 
-def test_one_rank_of_a_node_dies_and_a_spare_takes_it(tmp_path, reference):
-    job = run_job(tmp_path, faults=(Fault(kind="kill", rank=1, step=5, phase="backward"),), **NODES)
+def test_one_rank_of_a_node_dies_and_a_spare_takes_it(tmp_path, reference, capfd):
+    """Also what the agents print: each line prefixed with its node and process; a spare's only once it took a
+    rank (its banner, held in its log till then, comes first), an idle spare's never (slow_steps.py prints a
+    banner before init, pausing 0 s)."""
+    job = run_job(tmp_path, faults=(Fault(kind="kill", rank=1, step=5, phase="backward"),), **NODES,
+                  script=SCRIPTS / "slow_steps.py", script_prefix=("0",), echo=sys.stdout)
     assert_same_training(job, reference)
     [recovery] = job.summary["recoveries"]
     assert recovery["failed_ranks"] == [1] and recovery["replaced"] == {"1": "s1"}  # the spare holding its replica
+    banner = "slow_steps: every forward pass of the GPT paused 0 s ({})"
+    out = capfd.readouterr().out.splitlines()
+    assert f"[n0:w0] {banner.format('w0')}" in out and f"[n1:w3] {banner.format('w3')}" in out
+    assert not [line for line in out if line.startswith(("[n2:s0", "[n2:s1]"))]  # idle: never on the console
+    assert [line for line in out if line.startswith("[n2:s1=r1] ")][0] == f"[n2:s1=r1] {banner.format('s1')}"
+    assert banner.format("s0") in (tmp_path / "logs" / "s0.log").read_text()  # held in its log
 
 
 def test_two_nodes_fail_apart_and_together_with_two_spare_nodes(tmp_path, reference):
@@ -114,8 +124,9 @@ def test_a_spare_node_joins_after_the_pool_ran_empty_and_a_later_node_failure_us
     """Node 1 dies and spare node 2 takes its ranks: the pool is empty. A new machine joins as spare node 3
     (`deadpool agent --spare`); the job places its replicas there in a new generation. Then node 0 dies as
     a whole, and node 3 takes ranks 0 and 1 from its replicas. Steps are slowed (a sleep in each forward
-    pass: same numbers) so that the join fits in the run."""
-    job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.5",),
+    pass, until node 0 is killed: same numbers) so that the join fits in the run."""
+    killed = tmp_path / "killed"
+    job = Background(tmp_path, **NODES, script=SCRIPTS / "slow_steps.py", script_prefix=("1.5", "--until", str(killed)),
                      faults=(Fault(kind="kill_node", rank=2, step=2),))
     events = job.wait_for(lambda e: e["event"] == "swap_complete")
     agent = _join_as_spare(events, tmp_path)
@@ -123,6 +134,7 @@ def test_a_spare_node_joins_after_the_pool_ran_empty_and_a_later_node_failure_us
         events = job.wait_for(lambda e: e["event"] == "pool_refilled")
         [joined] = [e for e in events if e["event"] == "nodes_joined"]
         os.killpg(joined["agent_pids"][0], signal.SIGKILL)  # node 0: its agent and both of its ranks
+        killed.touch()
         done = job.join()
     finally:
         code = _stopped(agent)

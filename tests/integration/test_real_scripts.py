@@ -190,14 +190,16 @@ def test_divergence_can_be_a_warning(tmp_path: Path) -> None:
 
 def test_a_spare_compiles_while_it_waits_and_a_compiled_job_swaps_bit_for_bit(tmp_path: Path) -> None:
     """The spare runs the script's warm-up (a compiled throwaway GPT) on standby; a worker SIGKILLed after
-    that is replaced by it, and the compiled run ends bit for bit as the failure-free compiled run."""
-    args, steps = (*SMALL, "--compile", "--log-every", "1000"), 200
+    that is replaced by it, and the compiled run ends bit for bit as the failure-free compiled run. Until the
+    kill, steps are paused 0.5 s (30 s in all: the spare's time to warm up); after it, they run at full speed."""
+    args, steps, acted = (*SMALL, "--compile", "--log-every", "1000"), 60, tmp_path / "acted"
     reference = run_job(tmp_path / "reference", steps=steps, workers=2, spares=0, script_args=args)  # no spare compiling
     assert reference.code == 0, reference.summary
     job = Background(tmp_path / "swap", steps=steps, workers=2, spares=1, script_args=args,
-                     script=SCRIPTS / "slow_steps.py", script_prefix=("0.1",))
+                     script=SCRIPTS / "slow_steps.py", script_prefix=("0.5", "--until", str(acted)))
     job.wait_for(lambda e: e["event"] == "spare_warmed_up", timeout_s=180)
     os.kill(job.pid("w1"), signal.SIGKILL)
+    acted.touch()
     swapped = job.join(timeout_s=240)
     assert swapped.code == 0 and swapped.summary["swaps"] == 1
     (fault,) = [e for e in swapped.events if e["event"] == "failure_detected"]

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from deadpool.protocol.secret import ENV_SECRET, new_secret
+from deadpool.runtime.standalone import Shape, secret_file
 from tests.integration.conftest import REPO, SCRIPTS, TRAIN, run_job
 
 PORT = REPO / "examples" / "gpt" / "train_ddp_deadpool.py"
@@ -23,14 +30,50 @@ TINY_PORT = ("--max-iters", "3", "--grad-accum", "2", "--n-layer", "1", "--n-emb
              "--block-size", "16", "--eval-interval", "2", "--eval-iters", "1")
 
 
+def plain_env(**extra: str) -> dict[str, str]:
+    """This process's environment without DeadPool's or torchrun's variables, plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("DEADPOOL_", "RANK", "LOCAL_", "WORLD_",
+                                                                      "MASTER_", "TORCHELASTIC_"))}, **extra}
+
+
+def master_port() -> str:
+    """A free port P whose P + 1 is free too: torchrun's store takes P, DeadPool's control plane P + 1 (torchrun's
+    own choice of P leaves P + 1 to chance)."""
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return str(port)
+    raise AssertionError("no two consecutive free ports in 50 tries")
+
+
+def torchrun_two_ranks_of(script: Path) -> list[str | Path]:
+    """`torchrun --nproc-per-node 2 SCRIPT` on a master port whose next port is free."""
+    return [TORCHRUN, "--master-port", master_port(), "--nproc-per-node", "2", script]
+
+
+def summary_in(cwd: Path) -> dict:
+    """The summary of the one run that rank 0 started in `cwd`."""
+    (run_dir,) = (cwd / "deadpool-runs").iterdir()
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def run_plain(cwd: Path, *argv: str | Path, code: int = 0) -> tuple[str, dict]:
     """Runs a command with no DeadPool environment in `cwd`; returns its output and its run's summary."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEADPOOL_", "RANK", "LOCAL_", "WORLD_",
-                                                                   "MASTER_", "TORCHELASTIC_"))}
-    done = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([str(a) for a in argv], cwd=cwd, env=plain_env(), capture_output=True, text=True,
+                          timeout=120)
     assert (done.returncode == 0) == (code == 0), done.stdout + done.stderr
-    (run_dir,) = (cwd / "deadpool-runs").iterdir()
-    return done.stdout, json.loads((run_dir / "summary.json").read_text())
+    return done.stdout, summary_in(cwd)
+
+
+@pytest.fixture(scope="module")
+def torchrun_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """The example under one plain `torchrun --nproc-per-node 2`: its output and summary."""
+    return run_plain(tmp_path_factory.mktemp("torchrun"), *torchrun_two_ranks_of(TRAIN), *TINY)
 
 
 def test_python_runs_the_example_as_one_rank_without_spares(tmp_path: Path) -> None:
@@ -48,9 +91,9 @@ def test_python_runs_the_port_to_the_end(tmp_path: Path) -> None:
     assert (summary["exit_code"], summary["final_step"]) == (0, 3)
 
 
-def test_torchrun_runs_the_example_as_deadpool_run_does(tmp_path: Path) -> None:
+def test_torchrun_runs_the_example_as_deadpool_run_does(tmp_path: Path, torchrun_two_ranks) -> None:
     """Same script, same seed, two ranks: the state hashes equal those of `deadpool run --workers 2`."""
-    out, summary = run_plain(tmp_path, TORCHRUN, "--nproc-per-node", "2", TRAIN, *TINY)
+    out, summary = torchrun_two_ranks
     assert "[deadpool] no launcher: running under torchrun as 2 ranks without spares" in out
     reference = run_job(tmp_path / "launcher", steps=None, workers=2, spares=0, script_args=TINY)
     assert summary["exit_code"] == reference.code == 0
@@ -61,7 +104,7 @@ def test_torchrun_runs_the_example_as_deadpool_run_does(tmp_path: Path) -> None:
 def test_torchrun_runs_the_port_to_the_end(tmp_path: Path) -> None:
     """The port under plain torchrun (its weights equal `deadpool run`'s as the example's hashes do above, and
     torchrun DDP's as test_real_scripts shows): every iteration printed once, the final weights saved."""
-    out, summary = run_plain(tmp_path, TORCHRUN, "--nproc-per-node", "2", PORT, *TINY_PORT,
+    out, summary = run_plain(tmp_path, *torchrun_two_ranks_of(PORT), *TINY_PORT,
                              "--out-dir", tmp_path / "out")
     assert [f"iter {i}: loss" in out for i in range(3)] == [True] * 3
     assert (summary["exit_code"], summary["final_step"], len(summary["rank_state_sha256"])) == (0, 3, 2)
@@ -70,8 +113,68 @@ def test_torchrun_runs_the_port_to_the_end(tmp_path: Path) -> None:
 
 def test_under_torchrun_a_failure_ends_the_job_saying_why(tmp_path: Path) -> None:
     """No spare: rank 1's SIGKILL ends the job (torchrun stops the others too), and the summary names it."""
-    _, summary = run_plain(tmp_path, TORCHRUN, "--nproc-per-node", "2", SCRIPTS / "kill_rank_one.py", code=1)
+    _, summary = run_plain(tmp_path, *torchrun_two_ranks_of(SCRIPTS / "kill_rank_one.py"), code=1)
     assert summary["exit_code"] == 1 and summary["swaps"] == 0
     assert summary["error"].startswith("rank 1 (w1, pid ")
     # torchrun stops rank 0 as well: seen in the same settle window, rank 1's only holder is lost with it
     assert "no spare is left in the pool" in summary["error"] or "is lost too" in summary["error"]
+
+
+# ---- torchrun on two machines (two torchruns on loopback): rank 0 hosts the control plane for both -----------
+
+def torchrun_nodes(tmp_path: Path, secrets: tuple[str | None, str | None], *script: str | Path,
+                   kill_rank_0: bool = False) -> list[tuple[int, str]]:
+    """Runs `torchrun --nnodes 2 --nproc-per-node 1` once per node (node k in tmp_path/node{k}), each with its
+    own DEADPOOL_SECRET or none; returns each one's (exit code, output). With `kill_rank_0`, once node 1 has
+    ended, rank 0 (its pid ends its run directory's name) is SIGKILLed rather than left to time out. One thread
+    per process, as torchrun sets it for several processes per node but not for one: CPU kernels on more
+    threads round differently."""
+    port = master_port()
+    procs = []
+    for node, secret in enumerate(secrets):
+        (tmp_path / f"node{node}").mkdir(parents=True)
+        procs.append(subprocess.Popen(
+            [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
+             "127.0.0.1", "--master-port", port, "--rdzv-id", f"nodes-{port}", *(str(a) for a in script)],
+            cwd=tmp_path / f"node{node}",
+            env=plain_env(OMP_NUM_THREADS="1", **({ENV_SECRET: secret} if secret else {})), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    try:
+        last = procs[1].communicate(timeout=120)[0]
+        if kill_rank_0:
+            (run_dir,) = (tmp_path / "node0" / "deadpool-runs").iterdir()
+            os.kill(int(run_dir.name.rsplit("-", 1)[1]), signal.SIGKILL)
+        first = procs[0].communicate(timeout=120)[0]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        secret_file(Shape(run_id=f"nodes-{port}-0"), tmp_path).unlink(missing_ok=True)  # a killed rank 0's
+    return [(procs[0].returncode, first), (procs[1].returncode, last)]
+
+
+def test_torchrun_on_two_machines_with_a_shared_secret_trains_as_on_one(tmp_path: Path, torchrun_two_ranks) -> None:
+    """Two torchruns of one rank each, DEADPOOL_SECRET shared: the same state, bit for bit, as one torchrun of
+    two ranks; rank 0's run directory holds the whole job's summary."""
+    secret = new_secret().hex()
+    (code0, out0), (code1, out1) = torchrun_nodes(tmp_path, (secret, secret), TRAIN, *TINY)
+    assert (code0, code1) == (0, 0), out0 + out1
+    assert "[deadpool] no launcher: running under torchrun as 2 ranks without spares" in out0
+    summary, one_machine = summary_in(tmp_path / "node0"), torchrun_two_ranks[1]
+    assert (summary["exit_code"], summary["final_step"], summary["swaps"]) == (0, 3, 0)
+    assert summary["rank_state_sha256"] == one_machine["rank_state_sha256"]
+    assert summary["final_state_sha256"] == one_machine["final_state_sha256"]
+    assert not (tmp_path / "node1" / "deadpool-runs").exists()  # node 1's rank joined rank 0's run
+
+
+def test_torchrun_on_two_machines_with_different_secrets_is_refused_saying_why(tmp_path: Path) -> None:
+    """Rank 1 is refused by rank 0's control plane and says so; rank 0 logs the refusal (left alone, it would wait
+    --connect-timeout, 60 s, for rank 1 to join). No secret at all: tests/unit/runtime/test_standalone.py."""
+    (code0, out0), (code1, out1) = torchrun_nodes(tmp_path, (new_secret().hex(), new_secret().hex()), TRAIN, *TINY,
+                                                  kill_rank_0=True)
+    assert code1 != 0
+    assert re.search(r"ConfigError: rank 0's control plane at 127\.0\.0\.1:\d+ refused rank 1 \(the coordinator "
+                     r"refused this process's secret \(a secret of another job\?\)\): every rank must have the same "
+                     f"{ENV_SECRET}", out1), out1
+    assert "refused a connection to the control plane from 127.0.0.1:" in out0, out0

@@ -79,14 +79,14 @@ class Agent:
     """Runs the training script once per process, each line of its output prefixed with who said it."""
 
     def __init__(self, config: JobConfig, config_path: Path, echo: TextIO | None = sys.stdout,
-                 prefix: str = "", hold_spares: bool = True) -> None:
+                 prefix: str = "") -> None:
         self.config = config
         self.config_path = config_path
         self.echo = echo
         self.prefix = prefix    # before each process's name in its output lines (a node agent's: "n1:")
         # An idle spare runs the script up to deadpool.init(): its banner would read as if it trained. Its
-        # output goes to its log only until relabel() says it took a rank (a node agent is never told: it echoes).
-        self.hold_spares = hold_spares
+        # output goes to its log only until relabel() says it took a rank (the coordinator says so on one
+        # machine; a node's agent, from the plans it reads: launcher/node.py).
         self.children: dict[str, Child] = {}
         self.log_dir = Path(config.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ class Agent:
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, errors="replace")
         child = Child(name, role, popen, label=f"{self.prefix}{name}",
-                      held=[] if role == "spare" and self.hold_spares else None)
+                      held=[] if role == "spare" else None)
         child.pump = threading.Thread(target=self._pump, args=(child,), name=f"pump-{name}", daemon=True)
         child.pump.start()
         self.children[name] = child

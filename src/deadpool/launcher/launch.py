@@ -12,8 +12,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TextIO
 
-import torch
-
 from deadpool.config import JobConfig
 from deadpool.coordinator.nodes import RemoteNodes
 from deadpool.coordinator.policy import Decision, place_devices
@@ -50,11 +48,19 @@ def log_refusals(events: EventLog) -> Callable[[str, str], None]:
     return refused
 
 
+# Device nodes of the drivers torch.cuda runs on (NVIDIA's, AMD's ROCm): without one, no process here sees a GPU.
+GPU_DRIVERS = ("/dev/nvidiactl", "/dev/kfd")
+
+
 def count_gpus(config: JobConfig) -> int:
     """The GPUs this node's processes share out: none under gloo, else --gpus-per-node or all visible ones."""
     if config.backend == "gloo":
         return 0
-    visible = torch.cuda.device_count()
+    visible = 0
+    if any(Path(device).exists() for device in GPU_DRIVERS):
+        import torch  # only here: the launcher and node agents of a CPU job never load torch (~2 s each)
+
+        visible = torch.cuda.device_count()
     gpus = visible if config.gpus_per_node is None else config.gpus_per_node
     if gpus > visible:
         raise ConfigError(f"--gpus-per-node {gpus}, but {visible} GPUs are visible here")

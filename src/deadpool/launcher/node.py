@@ -13,6 +13,8 @@ agent can run on any host that reaches it (`deadpool agent --coordinator HOST:PO
     starts each process (logs/{name}.log)
     node/{n}/exit/{name} = {code, pid}      -->   the process's exit, classified as before
                                             <--   fence/{name}: SIGKILL it
+                                            <--   gen, plan/{g}: a spare of this node that took a rank has
+                                                  its output echoed from then on (held in its log till then)
                                             <--   shutdown: stop the processes (grace), then exit
 
 The processes an agent starts die with it (PR_SET_PDEATHSIG), as they would with their machine: killing
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import place_devices
-from deadpool.coordinator.protocol import CONFIG_KEY, Keys
+from deadpool.coordinator.protocol import CONFIG_KEY, Keys, Plan
 from deadpool.errors import AuthenticationError, ConfigError, ControlPlaneError
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
@@ -78,8 +80,9 @@ class NodeAgent:
         config = replace(config, secret_file=str(write_secret(run.resolve() / f"secret.node{node}", secret)))
         config.write(config_path)
         self.config, self.keys = config, Keys(config.token)
-        self.local = Agent(config, config_path, prefix=f"n{node}:", hold_spares=False)  # its processes die with it
+        self.local = Agent(config, config_path, prefix=f"n{node}:")  # its processes die with it
         self.spawned = 0
+        self.generation = -1  # the newest plan read
 
     def run(self) -> int:
         """Until the job's shutdown: beat, start what is ordered, report exits, fence what is fenced. An agent
@@ -95,6 +98,7 @@ class NodeAgent:
             while not store.check([keys.shutdown()]):
                 self._start_assigned()
                 self._report_exits()
+                self._release_takers()
                 for name in self.local.alive():
                     if store.check([keys.fence(name)]):
                         self.local.fence(name)
@@ -128,6 +132,20 @@ class NodeAgent:
             name, role, rank = json.loads(self.store.get(self.keys.node_spawn(self.node, self.spawned)))
             child = self.local.spawn(name, role, rank)
             self.store.set(self.keys.node_pid(name), str(child.pid))
+
+    def _release_takers(self) -> None:
+        """Once a new generation's plan gives one of this node's spares a rank, its output (held in its log
+        while it idled) is echoed, labelled as on one machine ("n2:s0=r2"). The coordinator writes the
+        generation number after its plan, so the plan it names is there."""
+        key = self.keys.generation()
+        gen = int(self.store.get(key)) if self.store.check([key]) else -1
+        if gen == self.generation:
+            return
+        self.generation = gen
+        for rank, name in enumerate(Plan.from_json(self.store.get(self.keys.plan(gen))).ranks):
+            child = self.local.children.get(name)
+            if child is not None and child.role == "spare":
+                self.local.relabel(name, f"{name}=r{rank}")
 
     def _report_exits(self) -> None:
         for child in self.local.poll():

@@ -42,7 +42,7 @@ from deadpool.coordinator.protocol import (
     Keys,
     torchrun_env,
 )
-from deadpool.errors import ConfigError, ControlPlaneError
+from deadpool.errors import AuthenticationError, ConfigError, ControlPlaneError
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import runtime_settings
 from deadpool.launcher.inprocess import HostedJob
@@ -156,8 +156,8 @@ def _host(shape: Shape, gpu: int | None) -> tuple[JobConfig, HostedJob]:
     run_dir.mkdir(parents=True, mode=0o700)
     secret = find_secret(None) if os.environ.get(ENV_SECRET) else new_secret()
     path = write_secret(secret_file(shape, run_dir), secret)
-    if shape.torchrun and not os.environ.get(ENV_SECRET):
-        at_exit(lambda: path.unlink(missing_ok=True))  # the other ranks read it at start; nobody needs it after
+    if shape.torchrun:  # this machine's ranks read it while they run, and end first; nobody needs it after
+        at_exit(lambda: path.unlink(missing_ok=True))
     host, port = store_address(shape)
     config = JobConfig(script=str(Path(sys.argv[0]).resolve()), script_args=tuple(sys.argv[1:]),
                        workers=shape.world_size, run_dir=str(run_dir), store_host=host, store_port=port,
@@ -171,6 +171,7 @@ def _host(shape: Shape, gpu: int | None) -> tuple[JobConfig, HostedJob]:
 def _follow(shape: Shape) -> JobConfig:
     """Rank k > 0: the secret (rank 0's file on this machine, or the environment's), then the job's config
     from rank 0's store; a copy of the config file and the secret where this machine lacks them."""
+    path: Path | None = None
     if os.environ.get(ENV_SECRET):
         secret = find_secret(None)
     else:
@@ -180,8 +181,7 @@ def _follow(shape: Shape) -> JobConfig:
                 raise ConfigError(f"rank 0 did not write the job's secret ({path}) within {CONNECT_S:g} s")
             time.sleep(0.02)
         secret = read_secret(path)
-    host, port = store_address(shape)
-    client = StoreClient(host, port, secret, CONNECT_S)
+    client = _connect_to_rank_0(shape, secret, path)
     try:
         wait_for_key(client, CONFIG_KEY, time.monotonic() + CONNECT_S)  # type: ignore[arg-type]
         config = JobConfig.from_json(client.get(CONFIG_KEY).decode())
@@ -195,6 +195,20 @@ def _follow(shape: Shape) -> JobConfig:
         temporary.replace(run_dir / "config.json")
         write_secret(Path(config.secret_file), secret)
     return config
+
+
+def _connect_to_rank_0(shape: Shape, secret: bytes, path: Path | None) -> StoreClient:
+    """A client of rank 0's control plane. A secret file of an earlier torchrun with the same run id (its rank 0
+    was killed before removing it) may have been read: rank 0 replaces the file before its control plane
+    listens, so a rank refused with a file's secret reads the file again, and tries once more if it changed."""
+    host, port = store_address(shape)
+    try:
+        return StoreClient(host, port, secret, CONNECT_S)
+    except AuthenticationError as error:
+        if path is not None and read_secret(path) != secret:
+            return _connect_to_rank_0(shape, read_secret(path), None)
+        raise ConfigError(f"rank 0's control plane at {host}:{port} refused rank {shape.rank} ({error}): every rank "
+                          f"must have the same {ENV_SECRET}") from None
 
 
 def _exit_on_sigterm() -> list[bool]:

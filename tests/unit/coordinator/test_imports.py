@@ -14,7 +14,8 @@ def imported_by(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["deadpool.coordinator.server", "deadpool.launcher.agent", "deadpool.protocol.store",
-                                    "deadpool.protocol.secret"])
+                                    "deadpool.protocol.secret", "deadpool.launcher.cli", "deadpool.launcher.launch",
+                                    "deadpool.launcher.node"])
 def test_the_coordinator_imports_neither_torch_nor_the_runtime(module):
     loaded = imported_by(module)
     assert "torch" not in loaded

@@ -17,6 +17,16 @@ def test_no_gpu_here_means_the_cpu():
     assert count_gpus(CONFIG) == 0 and count_gpus(replace(CONFIG, backend="gloo", gpus_per_node=4)) == 0
 
 
+def test_torch_is_asked_only_where_a_gpu_driver_is(tmp_path, monkeypatch):
+    """No driver's device node: no GPU, and torch is not consulted (a CPU job's launcher and agents never
+    import it). With one, torch's count is the answer."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert count_gpus(CONFIG) == 0
+    (tmp_path / "nvidiactl").touch()
+    monkeypatch.setattr("deadpool.launcher.launch.GPU_DRIVERS", (str(tmp_path / "nvidiactl"),))
+    assert count_gpus(CONFIG) == 2 and count_gpus(replace(CONFIG, gpus_per_node=1)) == 1
+
+
 def test_asking_for_gpus_that_are_not_there_is_refused():
     with pytest.raises(ConfigError, match="--gpus-per-node 2, but 0 GPUs are visible here"):
         count_gpus(replace(CONFIG, gpus_per_node=2))

@@ -9,7 +9,19 @@ from pathlib import Path
 import pytest
 
 from deadpool.errors import ConfigError
-from deadpool.runtime.standalone import Shape, gpu_of, launched, secret_file, shape_of, start_line, store_address
+from deadpool.protocol.secret import new_secret, write_secret
+from deadpool.protocol.store import StoreServer
+from deadpool.runtime.standalone import (
+    Shape,
+    _connect_to_rank_0,
+    gpu_of,
+    join,
+    launched,
+    secret_file,
+    shape_of,
+    start_line,
+    store_address,
+)
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0",
             "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1"}
@@ -70,3 +82,31 @@ def test_a_process_the_launcher_started_has_the_config_path(monkeypatch):
     assert not launched()
     monkeypatch.setenv("DEADPOOL_CONFIG", "/run/config.json")
     assert launched()
+
+
+def test_a_rank_refused_with_a_stale_secret_file_reads_it_again_and_a_wrong_secret_is_named(tmp_path):
+    """Rank 1 read a file an earlier torchrun left (the stale secret); rank 0 has since replaced it: refused once,
+    it connects with the file's new secret. A secret that is simply not rank 0's is a clear error."""
+    secret, stale = new_secret(), new_secret()
+    store = StoreServer("127.0.0.1", 0, secret)
+    shape = Shape(rank=1, world_size=2, local_world_size=2, master_port=store.port - 1, run_id="none-0")
+    try:
+        path = write_secret(tmp_path / "torchrun-none-0.secret", secret)
+        client = _connect_to_rank_0(shape, stale, path)
+        client.set("k", "v")
+        client.close()
+        assert store.table.get("k", 0) == b"v"
+        with pytest.raises(ConfigError, match=f"rank 0's control plane at 127.0.0.1:{store.port} refused rank 1 "
+                                              r"\(.*\): every rank must have the same DEADPOOL_SECRET"):
+            _connect_to_rank_0(shape, stale, None)
+    finally:
+        store.close()
+
+
+def test_torchrun_on_several_machines_without_a_secret_stops_at_init_naming_the_variable(monkeypatch):
+    """Checked before anything is written or connected: every rank of every machine says it alike."""
+    for name, value in {**TORCHRUN, "DEADPOOL_SECRET": ""}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="torchrun on 2 machines: DeadPool's control plane needs a secret shared by "
+                                          "every rank; set DEADPOOL_SECRET"):
+        join()
