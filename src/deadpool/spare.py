@@ -70,13 +70,15 @@ class Standby:
         Once `gen` runs (its recovery is over), replicas of ranks this spare no longer holds are dropped."""
         ctx, pruned = self.ctx, False
         while True:
-            if ctx.store.check([ctx.keys.shutdown()]):
+            shutdown, published, running = ctx.plane.present([ctx.keys.shutdown(), ctx.keys.generation(),
+                                                               ctx.keys.running(gen)])
+            if shutdown:
                 self.held.stop()
                 ctx.events.emit("spare_released")
                 sys.exit(0)
-            if ctx.store.check([ctx.keys.generation()]) and ctx.generation() > gen:
+            if published and ctx.generation() > gen:
                 return ctx.generation()
-            if not pruned and gen >= 0 and ctx.store.check([ctx.keys.running(gen)]):
+            if not pruned and gen >= 0 and running:
                 self.held.keep_only(ctx.plan(gen).held_by(ctx.proc))
                 pruned = True
             time.sleep(ctx.config.poll_interval_s)
