@@ -335,11 +335,12 @@ class _Run:
     def _report(self, plane: ControlPlane) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
         held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
+        fingerprints: dict[int, int] = {}
         if self.engine.replicated:
             # a resent snapshot has none: it was compared when it was taken
-            self.fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
+            self.fingerprints = fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
         plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(held),
-                                                  tuple(self.skipped), dict(self.fingerprints)))
+                                                  tuple(self.skipped), fingerprints))
 
     def _copy(self, job: _Job, buffer: torch.Tensor) -> Digest:
         """Copies every tensor into its place in the slot and hashes it in the same pass (digest.py); on GPU
