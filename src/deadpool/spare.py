@@ -37,7 +37,7 @@ class Standby:
     def run(self) -> tuple[Incarnation, Holdings]:
         """Returns this spare's first incarnation with a rank, and the replicas it holds; exits the
         process when the job ends without needing it."""
-        ctx, gen = self.ctx, -1
+        ctx, gen, named = self.ctx, -1, False
         _warm_up()
         while True:
             gen = self._next_generation(gen)
@@ -47,8 +47,11 @@ class Standby:
                 ctx.events.emit("spare_called", as_rank=inc.rank, gen=gen)
                 return inc, self.held
             if ctx.proc not in inc.plan.spares:
+                if not named:  # a spare of a joining node: the plan that admits it comes once all of them started
+                    continue
                 ctx.events.emit("spare_dismissed", reason=inc.plan.reason)
                 sys.exit(0)
+            named = True
             assume(ctx, inc, gpu=None)  # no rank yet: only the generation changes
             for rank in inc.plan.sends_from(ctx.proc):
                 hand_over(ctx, inc, rank, self.held.slots.get(rank, []))
@@ -70,13 +73,15 @@ class Standby:
         Once `gen` runs (its recovery is over), replicas of ranks this spare no longer holds are dropped."""
         ctx, pruned = self.ctx, False
         while True:
-            if ctx.store.check([ctx.keys.shutdown()]):
+            shutdown, published, running = ctx.plane.present([ctx.keys.shutdown(), ctx.keys.generation(),
+                                                               ctx.keys.running(gen)])
+            if shutdown:
                 self.held.stop()
                 ctx.events.emit("spare_released")
                 sys.exit(0)
-            if ctx.store.check([ctx.keys.generation()]) and ctx.generation() > gen:
+            if published and ctx.generation() > gen:
                 return ctx.generation()
-            if not pruned and gen >= 0 and ctx.store.check([ctx.keys.running(gen)]):
+            if not pruned and gen >= 0 and running:
                 self.held.keep_only(ctx.plan(gen).held_by(ctx.proc))
                 pruned = True
             time.sleep(ctx.config.poll_interval_s)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,11 +13,16 @@ from pathlib import Path
 import torch
 
 from deadpool.config import Fault, JobConfig
-from deadpool.coordinator.protocol import ENV_CONFIG, ENV_PROC, ENV_ROLE, Keys, Plan
 from deadpool.events import EventLog, read_events
+from deadpool.protocol.keys import ENV_CONFIG, ENV_PROC, ENV_ROLE, Keys
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.plan import Plan
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Commit, Durable
 from deadpool.protocol.store import Table
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.snapshot import SnapshotEngine
 from deadpool.runtime.watch import Watch
 from tests.plane import control_plane
@@ -55,11 +59,12 @@ def test_a_stale_snapshot_thread_cannot_touch_the_next_generations_slots_or_keys
 
 def _stale_snapshot_thread(tmp_path: Path, master: Table, config: JobConfig) -> None:
     gate, keys = Gate(), Keys("t")
-    ctx = Context("w0", "worker", config, connect(config), keys, EventLog(tmp_path / "events.jsonl", role="worker",
-                                                                         proc="w0"), gate)  # type: ignore[arg-type]
+    client = connect(config)
+    ctx = Context("w0", Role.WORKER, config, PlaneStore(client), ControlPlane(client), keys,
+                  EventLog(tmp_path / "events.jsonl", role="worker", proc="w0"), gate)  # type: ignore[arg-type]
     incs = [Incarnation.of(Plan(generation=g, ranks=("w0",), holders=((),), spares=()), "w0", keys) for g in (0, 1)]
     for inc in incs:
-        master.set(inc.committed_key(), json.dumps({"step": None, "abandoned": []}))
+        ControlPlane(master).put(inc.committed_key(), Commit(inc.generation, None, ()))
         master.set(inc.durable_key(), "none yet")
     engine = SnapshotEngine(ctx, torch.device("cpu"))
     watches = [Watch(ctx, inc, None) for inc in incs]
@@ -86,7 +91,8 @@ def _stale_snapshot_thread(tmp_path: Path, master: Table, config: JobConfig) -> 
     assert not stale.thread.is_alive()
     assert [(s.step, bytes(s.data.numpy())) for s in engine.slots] == slots_before  # no slot of g1 written
     assert 1 not in [s.step for s in engine.slots]
-    assert master.get(incs[1].durable_key()) == fresh_report == b'{"steps": [2], "skipped": []}'
+    assert master.get(incs[1].durable_key()) == fresh_report
+    assert Durable.from_json(fresh_report) == Durable(gen=1, rank=0, steps=(2,), skipped=())
     assert master.get(incs[0].durable_key()) != b"none yet"  # it wrote, but only under its own generation
     engine.stop()
     for watch in watches:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from deadpool.coordinator.policy import Decision
+from deadpool.protocol.kinds import Phase
 
 HANG_FLOOR_S = 3.0      # never call a rank hung sooner: scheduling hiccups on a busy host last this long
 HANG_STEP_MULTIPLE = 8  # ... nor before this many of its median steps have passed without progress
@@ -65,12 +66,12 @@ def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float,
     time without progress; only its silence counts, and for the longer of both timeouts: set-up code may
     hold the GIL (unpickling a data set) while every process of the job sets up at once.
     """
-    pulses = {r: p for r, p in pulses.items() if p.phase != "finished"}  # done: its silence is its exit
-    limits = {r: max(silence_s, timeout_s) if p.phase == "start" else silence_s for r, p in pulses.items()}
+    pulses = {r: p for r, p in pulses.items() if p.phase != Phase.FINISHED}  # done: its silence is its exit
+    limits = {r: max(silence_s, timeout_s) if p.phase == Phase.START else silence_s for r, p in pulses.items()}
     silent = {r for r, p in pulses.items() if now - p.beat_t >= limits[r]}
     waiting = {r for r, p in pulses.items() if p.waiting}
     stuck = {r for r, p in pulses.items()
-             if not p.waiting and p.phase != "start" and now - p.progress_t >= timeout_s and waiting - {r}} - silent
+             if not p.waiting and p.phase != Phase.START and now - p.progress_t >= timeout_s and waiting - {r}} - silent
     if not silent | stuck:
         return Decision(None, "every rank progresses or waits on a live peer")
     parts = []
@@ -95,7 +96,7 @@ class Alive:
     """A process's own heartbeat (runtime/watch.Beacon: a counter its thread adds to every 0.1 s from
     deadpool.init() until it exits, whatever it does), as the coordinator last saw it, on its clock."""
 
-    beats: int    # 0: not started yet (the counter is reset when the process is spawned)
+    beats: int    # 0: not started yet (no count before its first beat)
     since: float  # when `beats` last changed
 
 

@@ -58,8 +58,9 @@ from deadpool.coordinator.state import (
     WriteCommit,
     WriteTarget,
 )
-from deadpool.coordinator.status import Recovery
 from deadpool.coordinator.transitions import drop_joining, end, fail, publish, refuse, terminated, with_status
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.status import Recovery
 
 State = CoordinatorState
 FRESH_START = ("nothing was committed yet (a death in start-up): every rank begins afresh, from the script's own "
@@ -73,8 +74,8 @@ def start(config: JobConfig) -> tuple[State, tuple[Effect, ...]]:
                         nodes=node_map(config.workers, config.spares, config.nproc_per_node))
     out: list[Effect] = [WriteCommit(0, None, ())]
     s = publish(State(config=config, steady=plan, plan=plan), plan, out)
-    out += [Spawn(name, "worker", rank) for rank, name in enumerate(plan.ranks)]
-    out += [Spawn(name, "spare", plan.world_size + i) for i, name in enumerate(plan.spares)]
+    out += [Spawn(name, Role.WORKER, rank) for rank, name in enumerate(plan.ranks)]
+    out += [Spawn(name, Role.SPARE, plan.world_size + i) for i, name in enumerate(plan.spares)]
     return with_status(s, out)
 
 

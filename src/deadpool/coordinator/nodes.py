@@ -9,13 +9,15 @@ join the running job (`deadpool agent --spare`); `joined` reports it, and it is 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from deadpool.coordinator.protocol import Keys
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.nodes import NodeHello, Pid, ProcessExit, SpawnOrder
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Fence
 
 
 @dataclass
@@ -43,7 +45,7 @@ class _Node:
     node: int
     procs: list[str] = field(default_factory=list)
     ordered: int = 0
-    beat: str = ""
+    beat: int = 0
     beat_t: float = 0.0
     lost: str = ""  # why the node counts as lost, once it does
 
@@ -52,42 +54,41 @@ class RemoteNodes:
     """Processes on nodes whose agents joined the coordinator's store, `nproc` per node: rank r (a spare's
     placeholder rank included) runs on node r // nproc, so worker nodes come first, then spare nodes."""
 
-    def __init__(self, store: Any, keys: Keys, nodes: list[int], nproc: int, node_timeout_s: float,
+    def __init__(self, plane: ControlPlane, keys: Keys, nodes: list[int], nproc: int, node_timeout_s: float,
                  agents: dict[int, subprocess.Popen] | None = None) -> None:
-        self.store, self.keys, self.nproc, self.node_timeout_s = store, keys, nproc, node_timeout_s
+        self.plane, self.keys, self.nproc, self.node_timeout_s = plane, keys, nproc, node_timeout_s
         self.nodes = {n: _Node(n, beat_t=time.monotonic()) for n in nodes}
         self.agents = agents or {}  # node -> its agent, when this process started it
         self.first_joined = max(nodes, default=-1) + 1  # the number the first node to join a running job takes
         self.where: dict[str, int] = {}
         self.done: dict[str, Exited] = {}
 
-    def spawn(self, name: str, role: str, rank: int) -> Ordered:
+    def spawn(self, name: str, role: Role, rank: int) -> Ordered:
         """Orders the agent of rank's node to start process `name` as `rank`."""
         node = rank // self.nproc
         entry = self.nodes[node]
         entry.procs.append(name)
         entry.ordered += 1
         self.where[name] = node
-        self.store.set(self.keys.node_spawn(node, entry.ordered), json.dumps([name, role, rank]))
-        self.store.set(self.keys.node_spawned(node), str(entry.ordered))
+        self.plane.put(self.keys.node_spawn(node, entry.ordered), SpawnOrder(node, entry.ordered, name, role, rank))
         return Ordered(name, node)
 
     def joined(self) -> dict[int, str]:
         """Spare nodes whose agents joined the running job since the last call: node -> its host. An agent
         takes its number from the nodes/joined counter before it registers, so each number is checked
         until its agent registers (one that dies in between leaves a number unused)."""
-        key = self.keys.nodes_joined()
-        count = int(self.store.get(key)) if self.store.check([key]) else 0
+        count = self.plane.counters([self.keys.nodes_joined()])[0]
         found = {}
         for node in range(self.first_joined, self.first_joined + count):
-            if node not in self.nodes and self.store.check([self.keys.node(node)]):
+            hello = None if node in self.nodes else self.plane.poll(self.keys.node(node), NodeHello)
+            if hello is not None:
                 self.nodes[node] = _Node(node, beat_t=time.monotonic())
-                found[node] = json.loads(self.store.get(self.keys.node(node)))["host"]
+                found[node] = hello.host
         return found
 
     def pid(self, name: str) -> int | None:
-        key = self.keys.node_pid(name)
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        known = self.plane.poll(self.keys.node_pid(name), Pid)
+        return None if known is None else known.pid
 
     def node_of(self, name: str) -> int | None:
         return self.where.get(name)
@@ -96,12 +97,12 @@ class RemoteNodes:
         """Processes whose exit was reported since the last call, and those of nodes lost meanwhile."""
         now, exited = time.monotonic(), []
         for entry in self.nodes.values():
-            for name in entry.procs:
-                key = self.keys.node_exit(entry.node, name)
-                if name not in self.done and self.store.check([key]):
-                    report = json.loads(self.store.get(key))
-                    self.done[name] = Exited(name, report["code"], report["pid"])
-                    exited.append(self.done[name])
+            waiting = [name for name in entry.procs if name not in self.done]
+            reports = self.plane.poll_all([self.keys.node_exit(entry.node, name) for name in waiting], ProcessExit)
+            for report in reports:
+                if report is not None:
+                    self.done[report.proc] = Exited(report.proc, report.code, report.pid)
+                    exited.append(self.done[report.proc])
             if entry.lost:
                 continue
             entry.lost = self._lost(entry, now)
@@ -120,8 +121,7 @@ class RemoteNodes:
         agent = self.agents.get(entry.node)
         if agent is not None and agent.poll() is not None:
             return f"its agent exited ({agent.returncode})"
-        key = self.keys.node_beat(entry.node)
-        beat = self.store.get(key).decode() if self.store.check([key]) else ""
+        beat = self.plane.counters([self.keys.node_beat(entry.node)])[0]
         if beat != entry.beat:
             entry.beat, entry.beat_t = beat, now
         silent = now - entry.beat_t
@@ -133,7 +133,7 @@ class RemoteNodes:
     def fence(self, name: str) -> None:
         """SIGKILLs a process through its agent (a lost node's processes are beyond reach: the new
         generation refuses them instead)."""
-        self.store.set(self.keys.fence(name), "1")
+        self.plane.put(self.keys.fence(name), Fence(name))
 
     def alive(self) -> set[str]:
         return {name for name in self.where if name not in self.done}

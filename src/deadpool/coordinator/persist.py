@@ -14,8 +14,8 @@ from dataclasses import replace
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import Decision
-from deadpool.coordinator.protocol import Plan
 from deadpool.coordinator.state import CoordinatorState, Effect, Emit, Finalize, Inputs, OrderPersist, Persisting, Say
+from deadpool.protocol.plan import Plan
 from deadpool.protocol.records import PersistOrder
 
 State = CoordinatorState

@@ -15,7 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
-from deadpool.coordinator.protocol import Plan
+from deadpool.protocol.kinds import ExitKind
+from deadpool.protocol.plan import Plan
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ def describe_exit(returncode: int) -> str:
 
 # ---- how a process ended -------------------------------------------------------------------
 
-FINISHED, SCRIPT_ERROR, FAILURE = "finished", "script_error", "failure"
+FINISHED, SCRIPT_ERROR, FAILURE = ExitKind.FINISHED, ExitKind.SCRIPT_ERROR, ExitKind.FAILURE
 
 
 def classify_exit(returncode: int, *, fenced: bool, started: bool, script_error: str | None,

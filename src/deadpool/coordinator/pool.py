@@ -19,6 +19,7 @@ from deadpool.coordinator.policy import (
 )
 from deadpool.coordinator.state import CoordinatorState, Effect, Emit, Joining, Phase, Refill, Say, Spawn
 from deadpool.coordinator.transitions import drop_joining, fail, publish
+from deadpool.protocol.kinds import Role
 
 State = CoordinatorState
 
@@ -64,7 +65,7 @@ def admit(s: State, started: frozenset[str], now: float, out: list[Effect]) -> t
         joining[node] = Joining(host, procs, now + config.connect_timeout_s)
         out += [Emit("spare_node_joined", dict(node=node, host=host, procs=list(procs))),
                 Say(f"spare node {node} ({host}) joined the job; starting {', '.join(procs)}")]
-        out += [Spawn(name, "spare", rank) for name, rank in procs.items()]
+        out += [Spawn(name, Role.SPARE, rank) for name, rank in procs.items()]
     s = replace(s, joins={}, joining=joining)
     ready: dict[str, int] = {}
     for node, entry in joining.items():

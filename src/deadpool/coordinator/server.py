@@ -1,13 +1,13 @@
 """The coordinator's shell: reads each tick's inputs from the processes and the store, calls machine.advance
 with the clock, and applies the effects it returns, in order. Every decision is in machine.py (pure, its
 state diagram there); this is the only coordinator module that does I/O. It imports torch only with a disk
-tier (deadpool.disk assembles checkpoints); the store it is given is any object with the TCPStore methods it calls.
+tier (deadpool.disk assembles checkpoints); it reads and writes the job's records through the ControlPlane it
+is given (protocol/plane.py).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import threading
 import time
@@ -17,7 +17,6 @@ from typing import Any, Protocol
 from deadpool.config import JobConfig
 from deadpool.coordinator.machine import advance, start
 from deadpool.coordinator.policy import Durable
-from deadpool.coordinator.protocol import Keys
 from deadpool.coordinator.state import (
     Abort,
     CoordinatorState,
@@ -26,7 +25,6 @@ from deadpool.coordinator.state import (
     ExitReport,
     Fence,
     Finalize,
-    Heartbeat,
     Inputs,
     MarkRunning,
     OrderPersist,
@@ -35,16 +33,29 @@ from deadpool.coordinator.state import (
     PublishStatus,
     Relabel,
     Say,
-    ScriptError,
     Spawn,
     Stop,
     WriteCommit,
     WriteTarget,
 )
-from deadpool.coordinator.status import write_status
 from deadpool.errors import ProtocolError
 from deadpool.events import EventLog
-from deadpool.protocol.records import PersistReport
+from deadpool.protocol import records
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.kinds import Ending, Role
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import (
+    Commit,
+    Heartbeat,
+    PersistReport,
+    Published,
+    Ready,
+    Running,
+    ScriptError,
+    Shutdown,
+    Target,
+)
+from deadpool.protocol.status import write_status
 
 
 class Exit(Protocol):
@@ -59,7 +70,7 @@ class Processes(Protocol):
     """Who starts, watches and fences the job's processes: the launcher itself (launcher/agent.py) or one
     agent per node through the store (coordinator/nodes.py)."""
 
-    def spawn(self, name: str, role: str, rank: int) -> Any: ...
+    def spawn(self, name: str, role: Role, rank: int) -> Any: ...
     def poll(self) -> list[Any]: ...
     def fence(self, name: str) -> None: ...
     def alive(self) -> set[str]: ...
@@ -69,9 +80,9 @@ class Processes(Protocol):
 
 
 class Coordinator:
-    def __init__(self, config: JobConfig, store: Any, events: EventLog, agent: Processes) -> None:
+    def __init__(self, config: JobConfig, plane: ControlPlane, events: EventLog, agent: Processes) -> None:
         self.config = config
-        self.store = store
+        self.plane = plane
         self.keys = Keys(config.token)
         self.events = events
         self.agent = agent
@@ -105,16 +116,18 @@ class Coordinator:
         """Exits and joins always; the reports the state's phase waits for."""
         exits = tuple(self._exit(child) for child in self.agent.poll())
         starting = [name for joining in state.joining.values() for name in joining.procs]
-        started = frozenset(name for name in starting if self.store.check([self.keys.started(name)]))
+        started = frozenset(n for n, ok in zip(starting, self.plane.present([self.keys.started(n) for n in starting]))
+                            if ok)
         return Inputs(exits=exits, joined=self.agent.joined(), started=started, terminate=self.terminate,
                       persist_reports=self._persist_reports(state), finalized=dict(self.finalized),
                       alive=self._alive(state), **self._reports(state))
 
     def _alive(self, state: CoordinatorState) -> dict[str, int]:
-        """Every planned process's beacon count (runtime/watch.Beacon), but those known to be gone."""
+        """Every planned process's beacon count (runtime/watch.Beacon; 0 before its first beat), but those known
+        to be gone."""
         gone = state.fenced | state.lost | state.finished
         procs = [p for p in (*state.plan.ranks, *state.plan.spares) if p not in gone]
-        return {p: int(raw) for p, raw in zip(procs, self.store.multi_get([self.keys.alive(p) for p in procs]))}
+        return dict(zip(procs, self.plane.counters([self.keys.alive(p) for p in procs])))
 
     def _persist_reports(self, state: CoordinatorState) -> dict[str, PersistReport]:
         """The writers' reports on the checkpoint being written; a malformed one counts as a failed part."""
@@ -123,52 +136,52 @@ class Coordinator:
             return {}
         reports = {}
         for proc in dict.fromkeys(job.writers):
-            key = self.keys.persisted(job.step, proc)
-            if self.store.check([key]):
-                try:
-                    reports[proc] = PersistReport.from_json(self.store.get(key))
-                except ProtocolError as error:
-                    reports[proc] = PersistReport(job.step, proc, (), ok=False, error=str(error))
+            try:
+                report = self.plane.poll(self.keys.persisted(job.step, proc), PersistReport)
+            except ProtocolError as error:
+                report = PersistReport(job.step, proc, (), ok=False, error=str(error))
+            if report is not None:
+                reports[proc] = report
         return reports
 
     def _reports(self, state: CoordinatorState) -> dict[str, Any]:
-        gen, world, keys = state.plan.generation, range(state.plan.world_size), self.keys
+        gen, world, keys, plane = state.plan.generation, range(state.plan.world_size), self.keys, self.plane
         if state.phase is Phase.STEADY:
-            durable = self.store.multi_get([keys.durable(gen, r) for r in world])
+            durable = plane.poll_all([keys.durable(gen, r) for r in world], records.Durable)
             procs = [p for p in state.plan.ranks if p not in state.fenced]
-            beats = self.store.multi_get([keys.heartbeat(p) for p in procs])
-            return {"durable": {r: Durable.from_json(json.loads(raw)) for r, raw in enumerate(durable)},
-                    "beats": {p: Heartbeat.from_json(raw) for p, raw in zip(procs, beats) if raw}}
+            beats = plane.poll_all([keys.heartbeat(p) for p in procs], Heartbeat)
+            return {"durable": {r: Durable() if d is None else Durable(d.steps, d.skipped, d.fingerprints)
+                                for r, d in enumerate(durable)},  # no report yet: nothing held
+                    "beats": {p: beat for p, beat in zip(procs, beats) if beat is not None}}
         if state.phase is Phase.AWAIT_READY:
-            present = [r for r in world if self.store.check([keys.ready(gen, r)])]
-            return {"ready": {r: json.loads(self.store.get(keys.ready(gen, r))) for r in present}}
+            ready = plane.poll_all([keys.ready(gen, r) for r in world], Ready)
+            return {"ready": {r: list(got.steps) for r, got in enumerate(ready) if got is not None}}
         if state.phase is Phase.AWAIT_RESUMED:
-            return {"resumed": frozenset(r for r in world if self.store.check([keys.resumed(gen, r)]))}
+            resumed = plane.present([keys.resumed(gen, r) for r in world])
+            return {"resumed": frozenset(r for r in world if resumed[r])}
         return {}
 
     def _exit(self, child: Exit) -> ExitReport:
         """An exit, with whether the process reached deadpool.init() and the error its script reported."""
         assert child.returncode is not None
-        error_key = self.keys.script_error(child.name)
-        error = ScriptError.from_json(self.store.get(error_key)) if self.store.check([error_key]) else None
-        return ExitReport(child.name, child.returncode, child.pid, started=self.store.check([self.keys.started(
-            child.name)]), script_error=error, lost_with_node=getattr(child, "lost_with_node", None))
+        error = self.plane.poll(self.keys.script_error(child.name), ScriptError)
+        return ExitReport(child.name, child.returncode, child.pid, started=self.plane.has(self.keys.started(
+            child.name)), script_error=error, lost_with_node=getattr(child, "lost_with_node", None))
 
     # ---- effects ----------------------------------------------------------------------------
 
     def _apply(self, effect: Effect) -> None:
-        store, keys = self.store, self.keys
+        plane, keys = self.plane, self.keys
         if isinstance(effect, PublishPlan):
             self._publish(effect)
         elif isinstance(effect, Abort):
-            store.set(keys.abort(effect.gen), effect.reason)
+            plane.put(keys.abort(effect.gen), records.Abort(effect.gen, effect.reason))
         elif isinstance(effect, WriteCommit):
-            record = {"step": effect.step, "abandoned": list(effect.abandoned)}
-            store.set(keys.committed(effect.gen), json.dumps(record))
+            plane.put(keys.committed(effect.gen), Commit(effect.gen, effect.step, effect.abandoned))
         elif isinstance(effect, WriteTarget):
-            store.set(keys.target(effect.gen), json.dumps(effect.step))  # null: begin afresh
+            plane.put(keys.target(effect.gen), Target(effect.gen, effect.step))  # step None: begin afresh
         elif isinstance(effect, MarkRunning):
-            store.set(keys.running(effect.gen), "1")
+            plane.put(keys.running(effect.gen), Running(effect.gen))
         elif isinstance(effect, Spawn):
             self._spawn(effect)
         elif isinstance(effect, Fence):
@@ -180,31 +193,27 @@ class Coordinator:
         elif isinstance(effect, Say):
             print(f"[coordinator] {effect.text}", file=sys.stderr if effect.error else sys.stdout, flush=True)
         elif isinstance(effect, OrderPersist):
-            store.set(keys.persist_order(), effect.order.to_json())
+            plane.put(keys.persist_order(), effect.order)
         elif isinstance(effect, Finalize):
             self._finalize(effect)
         elif isinstance(effect, PublishStatus):
-            text = effect.status.to_json()
             write_status(self.status_path, effect.status)
-            store.set(keys.status(), text)
+            plane.put(keys.status(), effect.status)
         else:
             self._stop(effect)
 
     def _publish(self, effect: PublishPlan) -> None:
-        """Empty durable reports first, then the plan and the generation number (the abort follows)."""
+        """The plan, then the generation number (the abort follows)."""
         plan = effect.plan
-        for rank in range(plan.world_size):
-            self.store.set(self.keys.durable(plan.generation, rank), json.dumps({"steps": [], "skipped": []}))
-        self.store.set(self.keys.plan(plan.generation), plan.to_json())
-        self.store.set(self.keys.generation(), str(plan.generation))
+        self.plane.put(self.keys.plan(plan.generation), plan)
+        self.plane.put(self.keys.generation(), Published(plan.generation))
         self.events.generation = plan.generation
 
     def _spawn(self, effect: Spawn) -> None:
-        self.store.set(self.keys.heartbeat(effect.name), "")
-        self.store.set(self.keys.alive(effect.name), "0")
-        child = self.agent.spawn(effect.name, effect.role, effect.rank)
-        self.events.emit("process_spawned", proc=effect.name, pid=child.pid, role=effect.role,
-                         rank=effect.rank if effect.role == "worker" else None, node=getattr(child, "node", None))
+        role = Role(effect.role)
+        child = self.agent.spawn(effect.name, role, effect.rank)
+        self.events.emit("process_spawned", proc=effect.name, pid=child.pid, role=role.value,
+                         rank=effect.rank if role is Role.WORKER else None, node=getattr(child, "node", None))
 
     def _finalize(self, effect: Finalize) -> None:
         """Assembles the parts of a checkpoint into one, visible only once complete (deadpool/disk)."""
@@ -228,9 +237,9 @@ class Coordinator:
                          gbps=effect.nbytes / effect.write_s / 1e9 if effect.write_s else None)
 
     def _stop(self, effect: Stop) -> None:
-        if effect.how in ("failed", "terminated"):
+        if effect.how in (Ending.FAILED, Ending.TERMINATED):
             for name in self.agent.alive():  # first, so that no process sees the shutdown and adds its own error
                 self.agent.fence(name)
-        self.store.set(self.keys.shutdown(), effect.how)
+        self.plane.put(self.keys.shutdown(), Shutdown(effect.how))
         self.agent.stop_all(grace_s=effect.grace_s)
 

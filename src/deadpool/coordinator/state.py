@@ -7,16 +7,16 @@ hold any state, feed it inputs with a fake clock and compare what comes out. No 
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.hangs import Alive
 from deadpool.coordinator.policy import Durable
-from deadpool.coordinator.protocol import Plan
-from deadpool.coordinator.status import JobStatus, Recovery
-from deadpool.protocol.records import PersistOrder, PersistReport
+from deadpool.protocol.kinds import Ending, Role
+from deadpool.protocol.plan import Plan
+from deadpool.protocol.records import Heartbeat, PersistOrder, PersistReport, ScriptError
+from deadpool.protocol.status import JobStatus, Recovery
 
 
 class Phase(enum.Enum):
@@ -78,24 +78,6 @@ class Refill:
 
 
 @dataclass(frozen=True)
-class Heartbeat:
-    """One rank's pulse as its watch thread writes it (runtime/watch.py); any change is a sign of life."""
-
-    gen: int
-    beat: int
-    step: int
-    phase: str
-    marks: int
-    waiting: bool
-    step_s: float | None
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Heartbeat:
-        raw = json.loads(text)
-        return cls(raw["gen"], raw["beat"], raw["step"], raw["phase"], raw["marks"], raw["waiting"], raw["step_s"])
-
-
-@dataclass(frozen=True)
 class Liveness:
     """The coordinator's view of one rank's heartbeat, on its own clock."""
 
@@ -103,22 +85,6 @@ class Liveness:
     progress_t: float
     beat: Heartbeat | None = None                 # the last heartbeat read
     progress: tuple[int, str, int] = (-1, "", 0)  # step, phase, marks: any change is progress
-
-
-@dataclass(frozen=True)
-class ScriptError:
-    """What the runtime reports when the user's script raised (runtime/session.py)."""
-
-    rank: int | None
-    step: int | None
-    error: str
-    taking_over: int | None = None  # a called spare's set-up raised: the step it was restoring for its rank
-    refused: bool = False  # not the script's error: the checkpoint given to --resume is another job's
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ScriptError:
-        raw = json.loads(text)
-        return cls(raw["rank"], raw["step"], raw["error"], raw.get("taking_over"), raw.get("refused", False))
 
 
 @dataclass(frozen=True)
@@ -202,7 +168,7 @@ class Spawn:
     """Resets the process's heartbeat, starts it, and logs process_spawned with its pid."""
 
     name: str
-    role: str
+    role: Role
     rank: int
 
 
@@ -253,7 +219,7 @@ class PublishStatus:
 class Stop:
     """The job ends: `failed` fences every live process first; the shutdown key says how it ended."""
 
-    how: str  # "done", "failed" or "terminated" (SIGTERM)
+    how: Ending
     grace_s: float
 
 

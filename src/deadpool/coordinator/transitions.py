@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deadpool.coordinator.protocol import Plan
 from deadpool.coordinator.state import (
     Abort,
     CoordinatorState,
@@ -19,7 +18,9 @@ from deadpool.coordinator.state import (
     Say,
     Stop,
 )
-from deadpool.coordinator.status import FAILED, FINISHED, RUNNING, JobStatus, Member
+from deadpool.protocol.kinds import Ending, Outcome, Role
+from deadpool.protocol.plan import Plan
+from deadpool.protocol.status import JobStatus, Member
 
 State = CoordinatorState
 
@@ -31,7 +32,7 @@ def publish(s: State, plan: Plan, out: list[Effect]) -> State:
     out.append(PublishPlan(plan))
     if gen > 0:
         out += [Abort(gen - 1, plan.reason), Say(f"generation {gen}: {plan.reason}")]
-    out += [Relabel(name, f"{name}=r{rank}") for rank, name in enumerate(plan.ranks) if name.startswith("s")]
+    out += [Relabel(name, f"{name}=r{rank}") for rank, name in enumerate(plan.ranks) if Role.of(name) is Role.SPARE]
     out.append(Emit("plan_published", dict(ranks=list(plan.ranks), holders=[list(h) for h in plan.holders],
                                            spares=list(plan.spares), sources=list(plan.sources),
                                            reason=plan.reason)))
@@ -43,7 +44,7 @@ def end(s: State, out: list[Effect]) -> State:
     as it finished (runtime/persist.py): it becomes a complete checkpoint before the job stops."""
     if s.config.persist_dir and s.committed is not None and s.committed != s.persisted:
         out.append(Finalize(s.committed, None, 0, 0.0))
-    out += [Stop("done", grace_s=10.0), Emit("job_finished", dict(generation=s.plan.generation))]
+    out += [Stop(Ending.DONE, grace_s=10.0), Emit("job_finished", dict(generation=s.plan.generation))]
     return replace(s, exit_code=0)
 
 
@@ -63,14 +64,14 @@ def terminated(s: State, out: list[Effect]) -> State:
     out.append(Emit("job_stopped", dict(by=by, persisted=s.persisted, committed=s.committed)))
     if s.stop_failure is not None:
         return fail(s, f"{s.stop_failure} {saved[0].upper()}{saved[1:]}.", out)
-    out += [Stop("terminated", grace_s=0.0), Say(f"stopped by SIGTERM: {saved}", error=True)]
+    out += [Stop(Ending.TERMINATED, grace_s=0.0), Say(f"stopped by SIGTERM: {saved}", error=True)]
     return replace(s, exit_code=143, failure=f"stopped by SIGTERM: {saved}")
 
 
 def fail(s: State, message: str, out: list[Effect]) -> State:
     """The job cannot go on: it stops, naming the earliest failure as the root cause."""
     cause = s.root_cause or message
-    out += [Emit("job_failed", dict(reason=message, root_cause=cause)), Stop("failed", grace_s=5.0),
+    out += [Emit("job_failed", dict(reason=message, root_cause=cause)), Stop(Ending.FAILED, grace_s=5.0),
             Say(f"job failed: {message}", error=True)]
     if cause != message:
         out.append(Say(f"root cause: {cause}", error=True))
@@ -80,7 +81,7 @@ def fail(s: State, message: str, out: list[Effect]) -> State:
 def refuse(s: State, message: str, out: list[Effect]) -> State:
     """The job was given what cannot work (a checkpoint of another job to resume): it stops with exit 2, as
     a bad command line does, saying why in one line."""
-    out += [Emit("job_failed", dict(reason=message, root_cause=message)), Stop("failed", grace_s=5.0),
+    out += [Emit("job_failed", dict(reason=message, root_cause=message)), Stop(Ending.FAILED, grace_s=5.0),
             Say(message, error=True)]
     return replace(s, exit_code=2, failure=message)
 
@@ -102,7 +103,7 @@ def status_of(s: State) -> JobStatus:
             holds.setdefault(holder, []).append(rank)
     members = tuple(Member(proc, rank, plan.nodes.get(proc), tuple(holds.get(proc, ())))
                     for rank, proc in [*enumerate(plan.ranks), *((None, p) for p in plan.spares)])
-    outcome = RUNNING if s.exit_code is None else FINISHED if s.exit_code == 0 else FAILED
+    outcome = Outcome.RUNNING if s.exit_code is None else Outcome.FINISHED if s.exit_code == 0 else Outcome.FAILED
     return JobStatus(generation=plan.generation, phase=s.phase.value, outcome=outcome, reason=s.failure,
                      exit_code=s.exit_code, members=members, committed=s.committed, recoveries=s.recoveries,
                      hang_timeout_s=s.announced or None, hang_timeout_reason=s.announced_reason)

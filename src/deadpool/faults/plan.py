@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Callable
+from typing import Callable
 
 from deadpool.config import Fault
-from deadpool.coordinator.protocol import Keys
 from deadpool.errors import InjectedError
 from deadpool.events import EventLog
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.plane import ControlPlane
 
 
 class FaultInjector:
-    """Checks the fault plan at each hook point; the store makes each fault fire once even if the
+    """Checks the fault plan at each hook point; a counter in the control plane makes each fault fire once even if the
     rank it targets is replayed by a spare."""
 
-    def __init__(self, faults: tuple[Fault, ...], store: Any, keys: Keys, events: EventLog) -> None:
+    def __init__(self, faults: tuple[Fault, ...], plane: ControlPlane, keys: Keys, events: EventLog) -> None:
         self.faults = faults
-        self.store = store
+        self.plane = plane
         self.keys = keys
         self.events = events
         self.rank: int | None = None
@@ -27,7 +28,7 @@ class FaultInjector:
         for index, fault in enumerate(self.faults):
             if (fault.kind == kind and fault.rank == rank and fault.step == step
                     and (phase is None or fault.phase == phase)
-                    and self.store.add(self.keys.fault_fired(index), 1) == 1):
+                    and self.plane.count(self.keys.fault_fired(index)) == 1):
                 return fault
         return None
 

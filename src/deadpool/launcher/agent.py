@@ -14,7 +14,7 @@ from typing import Mapping, TextIO
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import place_devices
-from deadpool.coordinator.protocol import ENV_CONFIG, ENV_DEVICE, ENV_PROC, ENV_ROLE, torchrun_env
+from deadpool.protocol.keys import ENV_CONFIG, ENV_DEVICE, ENV_PROC, ENV_ROLE, torchrun_env
 
 _print_lock = threading.Lock()
 

@@ -20,12 +20,16 @@ from typing import Any
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.nodes import Exited, Ordered
-from deadpool.coordinator.protocol import CONFIG_KEY, Keys
 from deadpool.coordinator.server import Coordinator
 from deadpool.errors import ConfigError
 from deadpool.events import EventLog
 from deadpool.launcher.launch import log_refusals
-from deadpool.protocol.store import StoreServer, Table
+from deadpool.protocol.keys import CONFIG_KEY, Keys
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.nodes import Pid, ProcessExit
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Fence
+from deadpool.protocol.store import StoreServer
 from deadpool.report import summarize
 
 VANISHED = "no exit report: its process ended without running Python's exit handlers (a signal, or os._exit)"
@@ -44,20 +48,20 @@ class Peers:
     """The job's processes, as the coordinator sees them when no launcher started them: worker r is rank r,
     on node r // nproc (0 on one machine); this process (`own`, rank 0) hosts the coordinator."""
 
-    def __init__(self, store: Table, keys: Keys, own: str, nproc: int) -> None:
-        self.store, self.keys, self.own, self.nproc = store, keys, own, nproc
+    def __init__(self, plane: ControlPlane, keys: Keys, own: str, nproc: int) -> None:
+        self.plane, self.keys, self.own, self.nproc = plane, keys, own, nproc
         self.node: dict[str, int] = {}
         self.done: dict[str, Exited] = {}
         self.fenced: set[str] = set()
 
-    def spawn(self, name: str, role: str, rank: int) -> Ordered:
+    def spawn(self, name: str, role: Role, rank: int) -> Ordered:
         """Nothing to start: the process runs already (it publishes its pid at init)."""
         self.node[name] = rank // self.nproc if self.nproc else 0
         return Ordered(name, self.node[name], os.getpid() if name == self.own else None)
 
     def pid(self, name: str) -> int | None:
-        key = self.keys.node_pid(name)
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        known = self.plane.poll(self.keys.node_pid(name), Pid)
+        return None if known is None else known.pid
 
     def _local(self, name: str) -> bool:
         return self.node.get(name) == self.node.get(self.own)
@@ -69,10 +73,9 @@ class Peers:
         for name in self.node:
             if name in self.done:
                 continue
-            key, pid = self.keys.exited(name), self.pid(name)
-            if self.store.check([key]):
-                report = json.loads(self.store.get(key))
-                self.done[name] = Exited(name, report["code"], report["pid"])
+            report, pid = self.plane.poll(self.keys.exited(name), ProcessExit), self.pid(name)
+            if report is not None:
+                self.done[name] = Exited(name, report.code, report.pid)
             elif pid is not None and self._local(name) and not running(pid):
                 self.done[name] = Exited(name, -signal.SIGKILL, pid, lost_with_node=VANISHED)
             else:
@@ -84,7 +87,7 @@ class Peers:
         """SIGKILLs a process of this machine by its pid (this one too, if it is the hung rank); one on
         another machine only learns it is fenced (the new generation refuses it)."""
         self.fenced.add(name)
-        self.store.set(self.keys.fence(name), "1")
+        self.plane.put(self.keys.fence(name), Fence(name))
         pid = self.pid(name)
         if pid is not None and self._local(name) and running(pid):
             os.kill(pid, signal.SIGKILL)
@@ -126,8 +129,9 @@ class HostedJob:
         self.store.on_refused = log_refusals(self.events)
         self.config_path = run_dir / "config.json"
         self.config.write(self.config_path)
-        self.store.table.set(CONFIG_KEY, self.config.to_json())  # what the other ranks read first
-        self.peers = Peers(self.store.table, Keys(self.config.token), own, self.config.nproc_per_node)
+        self.plane = ControlPlane(self.store.table)
+        self.plane.put(CONFIG_KEY, self.config)  # what the other ranks read first
+        self.peers = Peers(self.plane, Keys(self.config.token), own, self.config.nproc_per_node)
         self.code: int | None = None
         self.thread = threading.Thread(target=self._run, name="deadpool-coordinator", daemon=True)
 
@@ -141,7 +145,7 @@ class HostedJob:
         """The coordinator's loop, then the summary the launcher would write (status.json as it goes)."""
         started = time.monotonic()
         try:
-            self.code = Coordinator(self.config, self.store.table, self.events, self.peers).run()
+            self.code = Coordinator(self.config, self.plane, self.events, self.peers).run()
         except Exception as error:  # the coordinator's own bug: say so, and let the job end with it
             print(f"[deadpool] the coordinator failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             self.code = 1

@@ -15,7 +15,6 @@ from typing import Callable, TextIO
 from deadpool.config import JobConfig
 from deadpool.coordinator.nodes import RemoteNodes
 from deadpool.coordinator.policy import Decision, place_devices
-from deadpool.coordinator.protocol import CONFIG_KEY, Keys
 from deadpool.coordinator.server import Coordinator, Processes
 from deadpool.errors import ConfigError
 from deadpool.events import EventLog
@@ -23,8 +22,11 @@ from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
 from deadpool.launcher.resume import discard_newer, on_sigterm, resolve
+from deadpool.protocol.keys import CONFIG_KEY, Keys
+from deadpool.protocol.nodes import NodeHello
+from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.secret import ENV_SECRET, new_secret, read_secret, write_secret
-from deadpool.protocol.store import StoreServer, Table
+from deadpool.protocol.store import StoreServer
 from deadpool.report import summarize
 
 
@@ -69,7 +71,7 @@ def count_gpus(config: JobConfig) -> int:
     return gpus
 
 
-def start_nodes(config: JobConfig, store: Table, events: EventLog, echo: TextIO | None,
+def start_nodes(config: JobConfig, plane: ControlPlane, events: EventLog, echo: TextIO | None,
                 start_agents: bool, network: Network | None) -> RemoteNodes:
     """Starts one agent per node on this machine if asked (`deadpool run --nnodes`; `deadpool coordinator`
     waits for agents started elsewhere), each in its own network namespace with --netns, and waits until
@@ -92,7 +94,7 @@ def start_nodes(config: JobConfig, store: Table, events: EventLog, echo: TextIO 
     deadline = time.monotonic() + config.connect_timeout_s
     missing = list(range(config.nodes))
     while missing:
-        missing = [n for n in missing if not store.check([keys.node(n)])]
+        missing = [n for n, ok in zip(missing, plane.present([keys.node(n) for n in missing])) if not ok]
         dead = [n for n, agent in agents.items() if agent.poll() is not None]
         if dead or (missing and time.monotonic() > deadline):
             for agent in agents.values():
@@ -100,10 +102,10 @@ def start_nodes(config: JobConfig, store: Table, events: EventLog, echo: TextIO 
             what = f"the agents of nodes {dead} exited" if dead else f"nodes {missing} did not join"
             raise ConfigError(f"{what} within {config.connect_timeout_s:g} s of the job's start")
         time.sleep(0.02)
-    joined = [json.loads(store.get(keys.node(n))) for n in range(config.nodes)]
+    joined = [plane.get(keys.node(n), NodeHello) for n in range(config.nodes)]
     events.emit("nodes_joined", nodes=config.nodes, nproc_per_node=config.nproc_per_node,
-                hosts=[j["host"] for j in joined], agent_pids=[j["pid"] for j in joined])
-    return RemoteNodes(store, keys, list(range(config.nodes)), config.nproc_per_node, config.node_timeout_s, agents)
+                hosts=[j.host for j in joined], agent_pids=[j.pid for j in joined])
+    return RemoteNodes(plane, keys, list(range(config.nodes)), config.nproc_per_node, config.node_timeout_s, agents)
 
 
 def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bool = True) -> tuple[int, dict]:
@@ -145,7 +147,7 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
                                          write_secret(run_dir.resolve() / "secret", secret)),
                          interface=config.interface or interface_of(config.store_host),
                          run_dir=str(run_dir.resolve()), script=str(Path(config.script).resolve()))
-        code = _run(config, store.table, events, devices, echo, start_agents, network)
+        code = _run(config, ControlPlane(store.table), events, devices, echo, start_agents, network)
     finally:
         if store is not None:
             store.close()
@@ -160,12 +162,12 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     return code, summary
 
 
-def _run(config: JobConfig, store: Table, events: EventLog, devices: Decision, echo: TextIO | None,
+def _run(config: JobConfig, plane: ControlPlane, events: EventLog, devices: Decision, echo: TextIO | None,
          start_agents: bool, network: Network | None) -> int:
     """The job itself, once its store (and network) exist: config file, events, processes, the coordinator."""
     config_path = Path(config.run_dir) / "config.json"
     config.write(config_path)
-    store.set(CONFIG_KEY, config.to_json())  # what node agents read first; one that finds no nodes says so
+    plane.put(CONFIG_KEY, config)  # what node agents read first; one that finds no nodes says so
     events.emit("job_start", workers=config.workers, spares=config.spares, port=config.store_port,
                 snapshot_every=config.snapshot_every, devices=devices.value, placement=devices.reason)
     if network is not None:
@@ -174,9 +176,9 @@ def _run(config: JobConfig, store: Table, events: EventLog, devices: Decision, e
                     links=[network.link(n) for n in range(config.nodes)],
                     namespaces=[network.namespace(n) for n in range(config.nodes)])
     started = time.monotonic()
-    agent: Processes = (start_nodes(config, store, events, echo, start_agents, network) if config.nproc_per_node
+    agent: Processes = (start_nodes(config, plane, events, echo, start_agents, network) if config.nproc_per_node
                         else Agent(config, config_path, echo=echo))
-    coordinator = Coordinator(config, store, events, agent)
+    coordinator = Coordinator(config, plane, events, agent)
     try:
         with on_sigterm(coordinator.request_stop):
             code = coordinator.run()

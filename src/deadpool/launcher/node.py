@@ -4,18 +4,21 @@ The coordinator and its agents talk only through the coordinator's store (no oth
 agent can run on any host that reaches it (`deadpool agent --coordinator HOST:PORT`):
 
     agent                                         coordinator (coordinator/nodes.py)
-    node/{n} = {host, pid}                  -->   waits until every node joined; nodes 0..M-1 work, the rest
+    NodeHello at node/{n}                   -->   waits until every node joined; nodes 0..M-1 work, the rest
                                                   are spares (rank r runs on node r // nproc-per-node)
-    (--spare: n = job's nodes + add(nodes/joined, 1) - 1, then node/{n} as above: a spare node joins the
+    (--spare: n = job's nodes + count(nodes/joined) - 1, then node/{n} as above: a spare node joins the
      running job; the coordinator starts its spares and, once they started, adds them to the pool)
-    node/{n}/beat = counter (every 0.1 s)   -->   a beat that stops for --node-timeout: the node is lost
-                                            <--   node/{n}/spawn/{k} = [name, role, rank]; node/{n}/spawned = k
-    starts each process (logs/{name}.log)
-    node/{n}/exit/{name} = {code, pid}      -->   the process's exit, classified as before
-                                            <--   fence/{name}: SIGKILL it
-                                            <--   gen, plan/{g}: a spare of this node that took a rank has
-                                                  its output echoed from then on (held in its log till then)
-                                            <--   shutdown: stop the processes (grace), then exit
+    count(node/{n}/beat) every 0.1 s        -->   a beat that stops for --node-timeout: the node is lost
+                                            <--   SpawnOrder at node/{n}/spawn/{k}, k = 1, 2, ...
+    starts each process (logs/{name}.log),
+    Pid at pid/{name}
+    ProcessExit at node/{n}/exit/{name}     -->   the process's exit, classified as before
+                                            <--   Fence at fence/{name}: SIGKILL it
+                                            <--   Published gen, Plan at plan/{g}: a spare of this node that
+                                                  took a rank has its output echoed from then on (held in its
+                                                  log till then)
+                                            <--   Shutdown: stop the processes (grace), then exit
+(the records: protocol/nodes.py)
 
 The processes an agent starts die with it (PR_SET_PDEATHSIG), as they would with their machine: killing
 the agent kills the node.
@@ -23,7 +26,6 @@ the agent kills the node.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -34,11 +36,15 @@ from pathlib import Path
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import place_devices
-from deadpool.coordinator.protocol import CONFIG_KEY, Keys, Plan
 from deadpool.errors import AuthenticationError, ConfigError, ControlPlaneError
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.launch import count_gpus
+from deadpool.protocol.keys import CONFIG_KEY, Keys
+from deadpool.protocol.nodes import NodeHello, Pid, ProcessExit, SpawnOrder
+from deadpool.protocol.plan import Plan
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Published
 from deadpool.protocol.secret import find_secret, write_secret
 from deadpool.protocol.store import StoreClient
 
@@ -65,8 +71,8 @@ class NodeAgent:
 
     def __init__(self, store: StoreClient, beat_store: StoreClient, secret: bytes, node: int,
                  run_dir: Path | None = None, joining: bool = False) -> None:
-        self.store, self.beat_store, self.node = store, beat_store, node
-        config = JobConfig.from_json(store.get(CONFIG_KEY).decode())
+        self.plane, self.beat_plane, self.node = ControlPlane(store), ControlPlane(beat_store), node
+        config = self.plane.get(CONFIG_KEY, JobConfig)
         if not joining and not 0 <= node < config.nodes:
             raise ConfigError(f"--node-rank {node}: this job has nodes 0..{config.nodes - 1}")
         here = store.channel.sock.getsockname()[0]  # this node's address on the way to the coordinator
@@ -88,19 +94,20 @@ class NodeAgent:
         """Until the job's shutdown: beat, start what is ordered, report exits, fence what is fenced. An agent
         that loses its coordinator (no answer within the store's timeout) stops its node's processes: the
         coordinator has replaced them by then."""
-        keys, store = self.keys, self.store
-        if store.check([keys.node(self.node)]):
+        keys, plane = self.keys, self.plane
+        if plane.has(keys.node(self.node)):
             raise ConfigError(f"node {self.node} has already joined this job: give each agent its own --node-rank "
                               "(a machine that stands in for a lost node joins with --spare)")
-        store.set(keys.node(self.node), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        plane.put(keys.node(self.node), NodeHello(self.node, socket.gethostname(), os.getpid()))
         threading.Thread(target=self._beat, name="deadpool-node-beat", daemon=True).start()
         try:
-            while not store.check([keys.shutdown()]):
+            while not plane.has(keys.shutdown()):
                 self._start_assigned()
                 self._report_exits()
                 self._release_takers()
-                for name in self.local.alive():
-                    if store.check([keys.fence(name)]):
+                alive = sorted(self.local.alive())
+                for name, fenced in zip(alive, plane.present([keys.fence(name) for name in alive])):
+                    if fenced:
                         self.local.fence(name)
                 time.sleep(BEAT_EVERY_S)
         except ControlPlaneError as error:
@@ -115,42 +122,38 @@ class NodeAgent:
     def _beat(self) -> None:
         """The node's heartbeat, on a thread and a store client of its own: starting a process (a fork of
         this one) or a slow store call in the main loop must not look like a lost node."""
-        beat = 0
         try:
             while True:
-                beat += 1
-                self.beat_store.set(self.keys.node_beat(self.node), str(beat))
+                self.beat_plane.count(self.keys.node_beat(self.node))
                 time.sleep(BEAT_EVERY_S)
         except ControlPlaneError:  # the coordinator is gone; the main loop says so
             return
 
     def _start_assigned(self) -> None:
-        ordered = int(self.store.get(self.keys.node_spawned(self.node))) if self.store.check(
-            [self.keys.node_spawned(self.node)]) else 0
-        while self.spawned < ordered:
+        while (order := self.plane.poll(self.keys.node_spawn(self.node, self.spawned + 1), SpawnOrder)) is not None:
             self.spawned += 1
-            name, role, rank = json.loads(self.store.get(self.keys.node_spawn(self.node, self.spawned)))
-            child = self.local.spawn(name, role, rank)
-            self.store.set(self.keys.node_pid(name), str(child.pid))
+            child = self.local.spawn(order.name, order.role, order.rank)
+            self.plane.put(self.keys.node_pid(order.name), Pid(order.name, child.pid))
 
     def _release_takers(self) -> None:
         """Once a new generation's plan gives one of this node's spares a rank, its output (held in its log
         while it idled) is echoed, labelled as on one machine ("n2:s0=r2"). The coordinator writes the
         generation number after its plan, so the plan it names is there."""
-        key = self.keys.generation()
-        gen = int(self.store.get(key)) if self.store.check([key]) else -1
+        published = self.plane.poll(self.keys.generation(), Published)
+        gen = -1 if published is None else published.gen
         if gen == self.generation:
             return
         self.generation = gen
-        for rank, name in enumerate(Plan.from_json(self.store.get(self.keys.plan(gen))).ranks):
+        for rank, name in enumerate(self.plane.get(self.keys.plan(gen), Plan).ranks):
             child = self.local.children.get(name)
             if child is not None and child.role == "spare":
                 self.local.relabel(name, f"{name}=r{rank}")
 
     def _report_exits(self) -> None:
         for child in self.local.poll():
-            self.store.set(self.keys.node_exit(self.node, child.name),
-                           json.dumps({"code": child.returncode, "pid": child.pid}))
+            assert child.returncode is not None
+            self.plane.put(self.keys.node_exit(self.node, child.name), ProcessExit(child.name, child.returncode,
+                                                                                  child.pid))
 
 
 def agent_main(address: str, node: int | None, run_dir: Path | None, timeout_s: float,
@@ -160,17 +163,17 @@ def agent_main(address: str, node: int | None, run_dir: Path | None, timeout_s: 
     comes from `secret_file` or the environment, never from the command line."""
     secret = find_secret(secret_file)
     store = connect_to_coordinator(address, secret, timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while not store.check([CONFIG_KEY]):  # the coordinator publishes the job once it is listening
-        if time.monotonic() > deadline:
-            raise ConfigError(f"the coordinator at {address} published no job within {timeout_s:g} s")
-        time.sleep(0.05)
-    job = JobConfig.from_json(store.get(CONFIG_KEY).decode())
+    plane = ControlPlane(store)
+    try:  # the coordinator publishes the job once it is listening
+        plane.wait([CONFIG_KEY], time.monotonic() + timeout_s)
+    except TimeoutError:
+        raise ConfigError(f"the coordinator at {address} published no job within {timeout_s:g} s") from None
+    job = plane.get(CONFIG_KEY, JobConfig)
     if not job.nproc_per_node:
         raise ConfigError(f"the job at {address} runs without nodes (no --nnodes): no node agent can join it")
     joining = node is None
     if node is None:
-        node = job.nodes + store.add(Keys(job.token).nodes_joined(), 1) - 1  # atomic: no two take one number
+        node = job.nodes + plane.count(Keys(job.token).nodes_joined()) - 1  # atomic: no two take one number
     what = "spare node" if joining else "node"
     print(f"[n{node}] agent of {what} {node} joined the coordinator at {address}", file=sys.stderr, flush=True)
     beat_store = connect_to_coordinator(address, secret, timeout_s)

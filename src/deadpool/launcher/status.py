@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.protocol import Keys
-from deadpool.coordinator.status import FAILED, RUNNING, JobStatus
 from deadpool.errors import ConfigError, ControlPlaneError, ProtocolError
 from deadpool.events import read_events
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.kinds import Outcome
+from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.secret import read_secret
+from deadpool.protocol.status import JobStatus
 from deadpool.protocol.store import StoreClient
 from deadpool.report import replica_memory
 
@@ -31,7 +33,7 @@ def _live_status(run_dir: Path) -> JobStatus | None:
     except (OSError, ConfigError, ControlPlaneError):
         return None
     try:
-        return JobStatus.from_json(client.get(Keys(config.token).status(), 1.0).decode())
+        return ControlPlane(client).get(Keys(config.token).status(), JobStatus, timeout_s=1.0)
     except ControlPlaneError:
         return None
     finally:
@@ -59,9 +61,9 @@ def host_memory(run_dir: Path) -> dict[str, int]:
 
 def render(status: JobStatus, memory: dict[str, int]) -> str:
     """The status as a person reads it."""
-    if status.outcome == RUNNING:
+    if status.outcome == Outcome.RUNNING:
         head = f"job: running, generation {status.generation} ({status.phase.replace('_', ' ')})"
-    elif status.outcome == FAILED:
+    elif status.outcome == Outcome.FAILED:
         head = f"job: failed (exit code {status.exit_code}) in generation {status.generation}: {status.reason}"
     else:
         head = f"job: finished (exit code {status.exit_code}) in generation {status.generation}"
@@ -93,7 +95,7 @@ def status_main(run_dir: Path, as_json: bool) -> int:
         print(json.dumps({**json.loads(status.to_json()), "replica_memory_bytes": memory, "source": source},
                          indent=2))
     else:
-        stale = status.outcome == RUNNING and source != "live"
+        stale = status.outcome == Outcome.RUNNING and source != "live"
         print(render(status, memory) + f"\n(read from: {source}" + ("; no coordinator answers for it: the job was "
                                                                    "stopped or killed, this is its last record)"
                                                                    if stale else ")"))

@@ -1,1 +1,2 @@
-"""The control plane's wire: an authenticated key-value store, torch-free (no pickle, no torch)."""
+"""The control plane, torch-free: the job's keys, its typed records (one writer each), the one ControlPlane that
+reads and writes them, and the authenticated store beneath (no pickle, no torch)."""

@@ -1,19 +1,23 @@
-"""Typed records that cross processes through the control plane: frozen, one writer each, JSON on the wire.
+"""The records of a job's life that cross processes through the control plane: frozen, one writer each.
 
-Each record parses what it reads strictly: a field missing or of the wrong type is a ProtocolError naming
-the record and the field, never a KeyError deep in the reader.
+Each names its key, its one writer and its readers; those of a generation carry its number, and a reader
+ignores (or refuses) one of another generation. Parsed strictly (protocol/record.py). The plan is in
+protocol/plan.py, the node agents' records in protocol/nodes.py, the job status in protocol/status.py.
 
-    coordinator --PersistOrder (persist/order)-------------> every process (the writers it names)
-    writer      --PersistReport (persist/{step}/{proc})---> coordinator (finalizes the checkpoint)
+    coordinator --Published, Abort, Commit, Target, Running, Shutdown, Fence, PersistOrder--> processes
+    process     --Started, Heartbeat, Durable, Ready, Resumed, ScriptError, Device, PersistReport--> coordinator
+    rank        --Announce, Handover (its replica streams' own keys)--> the holder or taker at the other end
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
 
 from deadpool.errors import ProtocolError
+from deadpool.protocol.kinds import Ending
+from deadpool.protocol.record import Record
 
 
 def _parse(kind: str, text: str | bytes, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
@@ -79,3 +83,167 @@ class PersistReport:
                                              "nbytes": int, "seconds": (int, float)})
         return cls(raw["step"], raw["proc"], tuple(raw["ranks"]), raw["ok"], raw["error"], raw["nbytes"],
                    float(raw["seconds"]))
+
+
+# ---- the coordinator's ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Published(Record):
+    """The newest generation whose plan is out. Key gen. Writer: the coordinator, after the plan. Readers:
+    processes waiting for a new generation (recovery, idle spares)."""
+
+    gen: int
+
+
+@dataclass(frozen=True)
+class Abort(Record):
+    """Generation `gen` is over (a failure). Key abort/{g}. Writer: the coordinator. Readers: the watch of each
+    process in it (runtime/watch.py), and recoveries waiting in it."""
+
+    gen: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Commit(Record):
+    """The newest step every rank holds durably in generation `gen` (None: none yet), and the steps skipped
+    that can never be committed. Key g{g}/committed. Writer: the coordinator. Readers: each rank's snapshot
+    engine and step loop, and holders (runtime/holding.py): neither overwrites the committed slot."""
+
+    gen: int
+    step: int | None
+    abandoned: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Target(Record):
+    """The step a recovery restores, or a fresh start. Key g{g}/target. Writer: the coordinator. Readers:
+    every rank of g."""
+
+    gen: int
+    step: int | None  # None: nothing was committed (a death in start-up), every rank begins afresh
+
+
+@dataclass(frozen=True)
+class Running(Record):
+    """Generation `gen` finished recovering: its replica placement is the live one. Key running/{g}. Writer:
+    the coordinator. Readers: idle spares, which then drop the replicas they no longer hold."""
+
+    gen: int
+
+
+@dataclass(frozen=True)
+class Shutdown(Record):
+    """The job is over. Key shutdown. Writer: the coordinator, last. Readers: every process and node agent."""
+
+    how: Ending
+
+
+@dataclass(frozen=True)
+class Fence(Record):
+    """Kill `proc` (SIGKILL): it is hung or beyond reach. Key fence/{proc}. Writer: the coordinator (through
+    coordinator/nodes.py, or launcher/inprocess.py's Peers). Reader: the node agent running `proc`."""
+
+    proc: str
+
+
+# ---- each process's --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Started(Record):
+    """`proc` reached deadpool.init(): if it exits later, it failed while DeadPool ran. Key started/{proc}.
+    Writer: the process. Reader: the coordinator."""
+
+    proc: str
+
+
+@dataclass(frozen=True)
+class Heartbeat(Record):
+    """One rank's pulse: a beat counter and where its training thread is (step, phase, marks, whether it
+    waits on peers); any change is a sign of life. Key hb/{proc}. Writer: the rank's watch thread
+    (runtime/watch.py), and its training thread's last words. Reader: the coordinator (coordinator/fences.py),
+    to which a pulse of another generation is a sign of life, not progress."""
+
+    gen: int
+    beat: int
+    step: int
+    phase: str
+    marks: int
+    waiting: bool
+    step_s: float | None
+
+
+@dataclass(frozen=True)
+class ScriptError(Record):
+    """The user's script raised: the job stops with its traceback. Key error/{proc}. Writer: the process
+    (runtime/failures.report_script_errors). Reader: the coordinator, when the process exits."""
+
+    rank: int | None
+    step: int | None
+    error: str
+    taking_over: int | None = None  # a called spare's set-up raised: the step it was restoring for its rank
+    gen: int | None = None          # the generation it raised in
+    refused: bool = False           # not the script's error: the checkpoint given to --resume is another job's
+
+
+@dataclass(frozen=True)
+class Device(Record):
+    """The GPU `proc` trains on; a spare without one of its own takes the device of the rank it replaces.
+    Key device/{proc}. Writer: the process. Readers: spares taking its rank over (runtime/member.py)."""
+
+    proc: str
+    gpu: int
+
+
+# ---- ranks, per generation -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Durable(Record):
+    """The snapshot steps rank `rank` holds durably in generation `gen` (local copy + every holder's ack),
+    the ones it skipped (--backlog-policy skip), and under data parallelism each step's fingerprint of the
+    replicated state. Key g{g}/durable/{rank}. Writer: the rank's snapshot engine. Reader: the coordinator
+    (commits); no report yet reads as none held."""
+
+    gen: int
+    rank: int
+    steps: tuple[int, ...]
+    skipped: tuple[int, ...]
+    fingerprints: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ready(Record):
+    """The snapshot steps rank `rank` can restore in recovering generation `gen`, checksums verified.
+    Key g{g}/ready/{rank}. Writer: the rank (runtime/recovery.py). Reader: the coordinator (picks the target)."""
+
+    gen: int
+    rank: int
+    steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Resumed(Record):
+    """Rank `rank` restored `step` and runs generation `gen`. Key g{g}/resumed/{rank}. Writer: the rank.
+    Reader: the coordinator (the recovery is over when every rank resumed)."""
+
+    gen: int
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Announce(Record):
+    """Snapshot `step` is about to be sent on a replica stream of generation `gen`: wakes the idle holder.
+    Key {stream}seq/{n}. Writer: the sending rank (runtime/replica.py). Reader: the holder."""
+
+    gen: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Handover(Record):
+    """How many snapshots of a taken rank its holder streams to the taker in generation `gen`. Key
+    g{g}/xfer/{rank}/count. Writer: the holder (runtime/replica.send_replica). Reader: the taker."""
+
+    gen: int
+    snapshots: int

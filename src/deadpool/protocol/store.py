@@ -1,10 +1,12 @@
 """The coordinator's key-value store, reachable only with the job's secret: a server, a client, a local view.
 
 It offers what torch's TCPStore offers (set, get, add, check, wait, compare_set, delete_key, num_keys,
-multi_get, with the same blocking `get`), so DeadPool's own code and gloo's rendezvous (through
-runtime/plane.py's adapter) use it unchanged. Unlike TCPStore it listens only on the address it is given,
-and every connection must first prove that it holds the secret (protocol/wire.py); a refused one is
-reported through `on_refused` and closed. Values are bytes; nothing is ever unpickled.
+multi_get, with the same blocking `get`), so gloo's rendezvous (through runtime/plane.py's adapter) uses it
+unchanged, and two calls of its own for DeadPool's ControlPlane (protocol/plane.py): `peek` (the keys that
+exist, in one round trip) and `wait_any` (blocks until the first of some keys exists). Unlike TCPStore it
+listens only on the address it is given, and every connection must first prove that it holds the secret
+(protocol/wire.py); a refused one is reported through `on_refused` and closed. Values are bytes; nothing is
+ever unpickled.
 
     request  = op (1 byte) + fields,  each field = length (u32) + bytes
     reply    = status (K ok, T timed out, E error) + fields
@@ -82,6 +84,19 @@ class Table:
             if self.closed:
                 raise ControlPlaneError("the coordinator's store is closing: the job is over")
             return present
+
+    def wait_any(self, keys: list[str], timeout: float) -> str | None:
+        """The first of `keys` that exists, once one does; None at the timeout."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.closed or any(k in self.data for k in keys), timeout)
+            if self.closed:
+                raise ControlPlaneError("the coordinator's store is closing: the job is over")
+            return next((k for k in keys if k in self.data), None)
+
+    def peek(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's value, None for those that do not exist; never blocks."""
+        with self.changed:
+            return [self.data.get(k) for k in keys]
 
     def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
         if not self.wait([key], timeout):
@@ -219,6 +234,12 @@ class StoreServer:
             return _pack(b"1" if table.delete_key(f[0].decode()) else b"0")
         if op == b"N":
             return _pack(str(table.num_keys()).encode())
+        if op == b"P":  # each key as a presence byte and its value
+            return _pack(*(part for v in table.peek([k.decode() for k in f]) for part in (
+                (b"0", b"") if v is None else (b"1", v))))
+        if op == b"Y":
+            found = table.wait_any([k.decode() for k in f[1:]], float(f[0]))
+            return _pack(*(() if found is None else (found.encode(),)))
         raise ControlPlaneError(f"unknown operation {op!r}")
 
 
@@ -289,6 +310,14 @@ class StoreClient:
 
     def num_keys(self) -> int:
         return int(self._call(b"N")[0])
+
+    def peek(self, keys: list[str]) -> list[bytes | None]:
+        out = self._call(b"P", *(k.encode() for k in keys))
+        return [value if present == b"1" else None for present, value in zip(out[::2], out[1::2])]
+
+    def wait_any(self, keys: list[str], timeout: float) -> str | None:
+        out = self._call(b"Y", str(timeout).encode(), *(k.encode() for k in keys), wait_s=timeout)
+        return out[0].decode() if out else None
 
     def close(self) -> None:
         self.channel.close()

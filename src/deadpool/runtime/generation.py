@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deadpool.coordinator.protocol import Keys, Plan, torchrun_env
+from deadpool.protocol.keys import Keys, torchrun_env
+from deadpool.protocol.plan import Plan
 
 if TYPE_CHECKING:
     from deadpool.runtime.context import Context
@@ -74,7 +75,7 @@ class Incarnation:
 def assume(ctx: Context, inc: Incarnation, *, gpu: int | None) -> None:
     """Makes `inc` this process's identity: the rank and generation its events and planned faults carry, and
     torchrun's variables (RANK, WORLD_SIZE, ...) the script reads, LOCAL_RANK naming `gpu`, the GPU this
-    process trains on, if any (protocol.torchrun_env). The only place identity changes; it is called
+    process trains on, if any (protocol/keys.torchrun_env). The only place identity changes; it is called
     wherever a process takes up an incarnation (its first, each recovery, a spare's standby)."""
     ctx.events.generation = inc.generation
     ctx.events.rank = ctx.faults.rank = inc.rank

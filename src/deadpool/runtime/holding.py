@@ -8,13 +8,14 @@ outlive the generation that filled them, until a plan no longer names this proce
 
 from __future__ import annotations
 
-import json
 import threading
 
 from deadpool.errors import ProtocolError
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Commit
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
-from deadpool.runtime.plane import Interruptible
+from deadpool.runtime.plane import Interruptible, PlaneStore
 from deadpool.runtime.replica import ReplicaReceiver
 from deadpool.runtime.slots import Slot
 
@@ -34,13 +35,14 @@ class Receiver:
         ctx, key = self.ctx, self.inc.committed_key()
         reported = 0
         try:
-            store = connect(ctx.config)
-            prefix = self.inc.pair_prefix(self.rank, ctx.proc)
-            self.receiver = ReplicaReceiver(Interruptible(store, self.stop.is_set), prefix, ctx.config.token,
-                                            self.inc.generation, self.slots, ctx.config.collective_timeout_s)
+            client = connect(ctx.config)
+            plane, prefix = ControlPlane(client), self.inc.pair_prefix(self.rank, ctx.proc)
+            self.receiver = ReplicaReceiver(Interruptible(PlaneStore(client), self.stop.is_set), prefix,
+                                            ctx.config.token, self.inc.generation, self.slots,
+                                            ctx.config.collective_timeout_s)
             while not self.stop.is_set():
                 try:
-                    slot = self.receiver.receive_one(lambda: json.loads(store.get(key))["step"], self.stop.is_set)
+                    slot = self.receiver.receive_one(lambda: plane.get(key, Commit).step, self.stop.is_set)
                 except ProtocolError as error:
                     ctx.events.emit("replica_rejected", of_rank=self.rank, error=str(error))
                     continue

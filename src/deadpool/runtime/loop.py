@@ -22,6 +22,8 @@ import torch
 
 from deadpool.errors import GenerationAborted, SwapAborted, WorkerFailure
 from deadpool.events import EventLog
+from deadpool.protocol.kinds import Phase
+from deadpool.protocol.records import Commit
 from deadpool.runtime.agree import agree_on_interval, agree_to_stop
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
@@ -29,12 +31,10 @@ from deadpool.runtime.member import Member
 from deadpool.runtime.persist import check_fits, describe_misfit, load_from_disk
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.replay import InputFingerprints
-from deadpool.runtime.snapshot import read_committed
 from deadpool.runtime.state import state_sha256
 from deadpool.runtime.watch import Progress
 
 CALIBRATION_STEPS = 5  # `auto` snapshots every step until this step, then picks an interval
-FINISHED = "finished"  # the last phase a rank reports: the coordinator expects silence after it
 
 
 class StepLoop:
@@ -169,8 +169,8 @@ class StepLoop:
         if self.every:
             with member.progress.waiting_for("commit"):
                 member.engine.drain()
-            committed, _ = read_committed(member.ctx.store, member.inc.committed_key())
-            member.persist(committed)  # with --persist-dir: the job's last commit becomes a checkpoint
+            # with --persist-dir: the job's last commit becomes a checkpoint
+            member.persist(member.ctx.plane.get(member.inc.committed_key(), Commit).step)
         # The training state: everything registered, the RNGs and the step, not DeadPool's own settings. The
         # step function's variables have their own digest but stay out of the whole: they may hold timings.
         training = {name: obj for name, obj in member.tree.items() if name != "deadpool"}
@@ -178,7 +178,7 @@ class StepLoop:
         whole = hashlib.sha256("".join(digests[k] for k in sorted(digests) if k != "variables").encode()).hexdigest()
         member.ctx.events.emit("finished", step=member.step, state_sha256=whole, entry_sha256=digests)
         if member.watch is not None:
-            member.watch.close(last_words=FINISHED)
+            member.watch.close(last_words=Phase.FINISHED)
             member.watch = None
         # The process group stays: the script may still use it (a final barrier, an evaluation) and destroy
         # it with dist.destroy_process_group(), as after DDP. Failures from here on are not recovered.
@@ -209,7 +209,7 @@ class StepLoop:
         ctx, watch = self.member.ctx, self.member.watch
         with self.member.progress.waiting_for("judging_error"):
             verdict = classify(error, aborted=lambda: watch is not None and watch.aborted(),
-                               ended=lambda: ctx.store.check([ctx.keys.shutdown()]),
+                               ended=lambda: ctx.plane.has(ctx.keys.shutdown()),
                                plan_wait_s=ctx.config.plan_wait_s, poll_s=ctx.config.poll_interval_s)
         if not isinstance(error, RECOVERABLE):  # judged by where it came from and what followed: say how
             ctx.events.emit("error_judged", error=type(error).__name__, failure=verdict.failure, reason=verdict.reason)

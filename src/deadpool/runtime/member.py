@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from deadpool.coordinator.protocol import ENV_DEVICE
 from deadpool.errors import PeerFailure
+from deadpool.protocol.keys import ENV_DEVICE
+from deadpool.protocol.records import Device, Resumed
 from deadpool.runtime.agree import agree_on_restore
 from deadpool.runtime.comms import DataParallel, abandon_group, communicating, join_group, leave_group, pick_backend
 from deadpool.runtime.context import Context
@@ -41,7 +42,7 @@ class Member:
         self.gpu = self.device.index if self.device.type == "cuda" else None
         assume(ctx, inc, gpu=self.gpu)
         if self.device.type == "cuda":
-            ctx.store.set(ctx.keys.device(ctx.proc), str(self.device.index))
+            ctx.plane.put(ctx.keys.device(ctx.proc), Device(ctx.proc, self.device.index))
             if ctx.config.deterministic:
                 _use_deterministic_kernels()
         self.step = 0  # the last step completed: the step loop advances it, a restore rolls it back
@@ -193,7 +194,7 @@ class Member:
         if fresh:
             with self.progress.waiting_for("resend"):
                 self.engine.resend(step, fresh)
-        self.ctx.store.set(self.inc.resumed_key(), str(step))
+        self.ctx.plane.put(self.inc.resumed_key(), Resumed(self.inc.generation, self.rank, step))
 
 
 def _device_index(ctx: Context, inc: Incarnation) -> int | None:
@@ -205,8 +206,9 @@ def _device_index(ctx: Context, inc: Incarnation) -> int | None:
         return int(own)
     for gen in range(inc.generation - 1, -1, -1):  # the latest earlier owner that had a device
         previous = ctx.plan(gen).ranks[inc.my_rank()]
-        if ctx.store.check([ctx.keys.device(previous)]):
-            return int(ctx.store.get(ctx.keys.device(previous)))
+        device = ctx.plane.poll(ctx.keys.device(previous), Device)
+        if device is not None:
+            return device.gpu
     return None
 
 

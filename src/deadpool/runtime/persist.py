@@ -20,7 +20,7 @@ from typing import Callable
 from deadpool.config import JobConfig
 from deadpool.errors import CheckpointError, ProtocolError
 from deadpool.protocol.records import PersistOrder, PersistReport
-from deadpool.runtime.context import Context, connect
+from deadpool.runtime.context import Context
 from deadpool.runtime.slots import Slot, checksum
 from deadpool.runtime.state import Stateful, flatten
 
@@ -80,21 +80,18 @@ class Persister:
             self.thread.join(5.0)
 
     def _run(self) -> None:
-        ctx, key, done = self.ctx, self.ctx.keys.persist_order(), b""
+        ctx, key = self.ctx, self.ctx.keys.persist_order()
+        done: PersistOrder | None = None
         try:
-            store = connect(ctx.config)  # its own client: the training thread's must never wait behind a write
+            plane = ctx.own_plane()  # the training thread's client must never wait behind a write
             while not self.stop.wait(POLL_S):
-                if not store.check([key]):
+                order = plane.poll(key, PersistOrder)
+                if order is None or order == done:
                     continue
-                raw = store.get(key)
-                if raw == done:
-                    continue
-                done = raw
-                order = PersistOrder.from_json(raw)
+                done = order
                 ranks = order.ranks_of(ctx.proc)
                 if ranks:
-                    report = self.write(order.step, ranks)
-                    store.set(ctx.keys.persisted(order.step, ctx.proc), report.to_json())
+                    plane.put(ctx.keys.persisted(order.step, ctx.proc), self.write(order.step, ranks))
         except Exception as error:  # the job is over (the store closed) or the order was malformed
             if not self.stop.is_set():
                 ctx.events.emit("persister_stopped", error=f"{type(error).__name__}: {error}")

@@ -9,9 +9,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from deadpool.errors import StoreTimeout
+from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.store import StoreClient
-
-SLICE_S = 0.05  # how often an interruptible wait asks whether to give up
 
 
 class PlaneStore(dist.Store):
@@ -57,12 +56,14 @@ class Interruptible(PlaneStore):
     release that wait: a peer that died or stopped before it wrote its address (a holder killed as a transfer
     starts, a rank that died in start-up, a generation abandoned before its group formed) would hold this
     process there for a minute. Given to a group's rendezvous, this view ends it when the generation is over.
-    Raised inside torch's call, the error reaches the caller as the RuntimeError torch makes of it. Keep a
-    reference to the view while torch uses it: torch holds only the C++ half of a store written in Python."""
+    Raised inside torch's call, the error reaches the caller as a RuntimeError from a collective's pair
+    rendezvous, but as the InterruptedError itself from init_process_group (runtime/member.py handles both). Keep
+    a reference to the view while torch uses it: torch holds only the C++ half of a store written in Python."""
 
     def __init__(self, store: PlaneStore, stopped: Callable[[], bool]) -> None:
         super().__init__(store.client)
         self.stopped = stopped
+        self.plane = ControlPlane(store.client)
 
     def get(self, key: str) -> bytes:
         self.wait([key])
@@ -70,12 +71,10 @@ class Interruptible(PlaneStore):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         deadline = time.monotonic() + (timeout.total_seconds() if timeout else self.client.timeout_s)
-        while True:
-            try:
-                self.client.wait(keys, max(0.0, min(SLICE_S, deadline - time.monotonic())))
-                return
-            except StoreTimeout:
-                if self.stopped():
-                    raise InterruptedError(f"stopped while waiting for {keys}") from None
-                if time.monotonic() >= deadline:
-                    raise
+        try:
+            for key in keys:  # every one, as the store's own wait
+                self.plane.wait([key], deadline, give_up=self.stopped)
+        except InterruptedError:
+            raise InterruptedError(f"stopped while waiting for {keys}") from None
+        except TimeoutError:
+            raise StoreTimeout(f"timed out waiting for keys {keys}") from None

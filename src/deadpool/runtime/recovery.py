@@ -21,17 +21,18 @@ A process the new plan no longer names has been fenced out: it must stop, never 
 from __future__ import annotations
 
 import enum
-import json
 import threading
 import time
 from typing import Callable, Protocol
 
 from deadpool.errors import PeerFailure, SwapAborted, WorkerFailure
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Ready, Target
 from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.failures import RECOVERABLE
 from deadpool.runtime.generation import Incarnation, assume
-from deadpool.runtime.plane import Interruptible
+from deadpool.runtime.plane import Interruptible, PlaneStore
 from deadpool.runtime.replica import receive_replica, send_replica
 from deadpool.runtime.slots import Slot
 
@@ -120,7 +121,7 @@ class Recovery:
             if self.failed_step is not None:
                 ctx.faults.point("recovery", self.failed_step)
             steps = member.holdings()
-            ctx.store.set(inc.ready_key(), json.dumps(steps))
+            ctx.plane.put(inc.ready_key(), Ready(inc.generation, inc.my_rank(), tuple(steps)))
             ctx.events.emit("recovery_ready", holds=steps, plan_reason=inc.plan.reason)
             self.deadline = time.monotonic() + ctx.config.recovery_timeout_s
             self.state = State.AWAIT_TARGET
@@ -131,7 +132,7 @@ class Recovery:
             if got == inc.abort_key():
                 self._again()
                 return None
-            self.target = json.loads(ctx.store.get(inc.target_key()))
+            self.target = ctx.plane.get(inc.target_key(), Target).step
             self.marks["agreed"] = time.monotonic()
             self.state = State.JOIN
         elif self.state is State.JOIN:
@@ -177,7 +178,7 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
     """Streams the replicas this process must hand over, and receives (or adopts) its own rank's.
     False if the generation was aborted meanwhile."""
     rank, held = inc.my_rank(), member.replicas()
-    stopped = lambda: ctx.store.check([inc.abort_key()]) or ctx.store.check([ctx.keys.shutdown()])  # noqa: E731
+    stopped = lambda: any(ctx.plane.present([inc.abort_key(), ctx.keys.shutdown()]))  # noqa: E731
     sends = [threading.Thread(target=hand_over, args=(ctx, inc, r, held.get(r, [])), daemon=True,
                               name=f"deadpool-handover-r{r}") for r in inc.plan.sends_from(ctx.proc)]
     for thread in sends:
@@ -210,11 +211,13 @@ def hand_over(ctx: Context, inc: Incarnation, rank: int, slots: list[Slot]) -> N
     """A holder's part of TRANSFER: sends rank's replica to the process that takes the rank over (on a
     store client of its own: it blocks in gloo's rendezvous, and may run beside the main thread's), until the
     generation is aborted (the taker died, or failed to come: the coordinator plans again)."""
-    store = connect(ctx.config)
-    over = lambda: store.check([inc.abort_key()]) or store.check([ctx.keys.shutdown()])  # noqa: E731
+    client = connect(ctx.config)
+    plane = ControlPlane(client)
+    over = lambda: any(plane.present([inc.abort_key(), ctx.keys.shutdown()]))  # noqa: E731
     try:
-        sent = send_replica(Interruptible(store, over), inc.transfer_prefix(rank), ctx.config.token, inc.generation,
-                            slots, ctx.config.collective_timeout_s, lambda: ctx.faults.point("handover", 0, rank=rank))
+        sent = send_replica(Interruptible(PlaneStore(client), over), inc.transfer_prefix(rank), ctx.config.token,
+                            inc.generation, slots, ctx.config.collective_timeout_s,
+                            lambda: ctx.faults.point("handover", 0, rank=rank))
         ctx.events.emit("replica_handed_over", of_rank=rank, to=inc.plan.ranks[rank], snapshots=sent)
     except Exception as error:  # the taker died or the generation moved on: the coordinator decides what next
         ctx.events.emit("handover_failed", of_rank=rank, error=str(error).splitlines()[0] if str(error) else "")

@@ -3,7 +3,7 @@
 One group per (rank, holder, generation); the sender is group rank 0, the holder group rank 1.
 
     sender (worker, rank r)                  holder (spare)
-    store: seq/{n} = step                    ->  wakes (idle waits are on the store: interruptible)
+    Announce at {stream}seq/{n}              ->  wakes (idle waits are on the store: interruptible)
     header [magic, token, gen, step, meta_len, nbytes, digest]  ->  pick the slot to overwrite
     meta (JSON bytes)                        ->
     data                                     ->  received into the slot's own buffer
@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 
 from deadpool.errors import ChecksumMismatch, ProtocolError
-from deadpool.runtime.context import wait_for_key
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Announce, Handover
+from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.slots import Slot, checksum, pick_slot
 
 MAGIC = 0x44504F4F4C  # "DPOOL"
@@ -34,7 +37,7 @@ def token_id(token: str) -> int:
     return int.from_bytes(hashlib.sha256(token.encode()).digest()[:8], "little") >> 2
 
 
-def pair_group(store: dist.Store, prefix: str, me: int, timeout_s: float) -> Any:  # a ProcessGroupGloo (untyped stubs)
+def pair_group(store: PlaneStore, prefix: str, me: int, timeout_s: float) -> Any:  # a ProcessGroupGloo (untyped stubs)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, timedelta(seconds=timeout_s))
 
 
@@ -49,9 +52,9 @@ def _wait(work: dist.Work, timeout_s: float) -> None:
 class ReplicaSender:
     """A worker's end of one replica stream."""
 
-    def __init__(self, store: dist.Store, prefix: str, token: str, gen: int, timeout_s: float) -> None:
+    def __init__(self, store: PlaneStore, prefix: str, token: str, gen: int, timeout_s: float) -> None:
         self.group = pair_group(store, prefix, 0, timeout_s)
-        self.store, self.prefix, self.sent = store, prefix, 0
+        self.plane, self.prefix, self.sent = ControlPlane(store.client), prefix, 0
         self.token = token_id(token)
         self.gen = gen
         self.timeout_s = timeout_s
@@ -63,7 +66,7 @@ class ReplicaSender:
                               dtype=torch.int64)
         meta = torch.frombuffer(bytearray(slot.meta), dtype=torch.uint8)
         self.sent += 1
-        self.store.set(f"{self.prefix}seq/{self.sent}", str(slot.step))  # wakes the idle holder
+        self.plane.put(Keys.announce(self.prefix, self.sent), Announce(self.gen, slot.step))  # wakes the idle holder
         for tag, tensor in enumerate((header, meta)):
             _wait(self.group.send([tensor], 1, tag), self.timeout_s)
         midway()
@@ -79,11 +82,11 @@ class ReplicaSender:
 class ReplicaReceiver:
     """A holder's end of one replica stream: keeps the rank's two newest snapshots in two slots."""
 
-    def __init__(self, store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot],
+    def __init__(self, store: PlaneStore, prefix: str, token: str, gen: int, slots: list[Slot],
                  timeout_s: float, trusted: bool = False) -> None:
         self.group = pair_group(store, prefix, 1, timeout_s)
         self.trusted = trusted  # checked for a recovery that uses it now (not kept for later): Slot.trusted
-        self.store, self.prefix, self.received = store, prefix, 0
+        self.plane, self.prefix, self.received = ControlPlane(store.client), prefix, 0
         self.token = token_id(token)
         self.gen = gen
         self.slots = slots
@@ -93,10 +96,8 @@ class ReplicaReceiver:
     def receive_one(self, committed: Callable[[], int | None], stopped: Callable[[], bool]) -> Slot:
         """Receives the next snapshot into the slot that does not hold the newest committed step."""
         self.received += 1
-        announced = f"{self.prefix}seq/{self.received}"
-        # idle between snapshots is normal; a 50 ms poll costs the workers' cores little and the
-        # replication of a step has a whole step's time anyway
-        wait_for_key(self.store, announced, float("inf"), stopped=stopped, max_pause=0.05)
+        # idle between snapshots is normal: the wait blocks in the store, asking `stopped` every 50 ms
+        self.plane.wait([Keys.announce(self.prefix, self.received)], float("inf"), give_up=stopped)
         header = torch.zeros(HEADER, dtype=torch.int64)
         _wait(self.group.recv([header], 0, 0), self.timeout_s)
         magic, token, gen, step, meta_len, nbytes, digest = header.tolist()
@@ -119,14 +120,14 @@ class ReplicaReceiver:
         return slot
 
 
-def send_replica(store: dist.Store, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float,
+def send_replica(store: PlaneStore, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float,
                  announced: Callable[[], None] = lambda: None) -> int:
     """Recovery, holder -> taker: streams every snapshot of one rank it holds to the process taking it over,
     unchecked: the taker checks each on arrival anyway (the one pass over the bytes a transfer needs) and
     keeps only those that pass. Returns how many the taker accepted. `announced` runs once the taker knows how
     many come, before the two connect (a planned fault: the holder dies while its taker waits for it)."""
     sealed = sorted((s for s in slots if s.step is not None), key=lambda s: s.step or 0)
-    store.set(f"{prefix}count", str(len(sealed)))
+    ControlPlane(store.client).put(Keys.handover(prefix), Handover(gen, len(sealed)))
     accepted = 0
     if sealed:
         announced()
@@ -140,11 +141,12 @@ def send_replica(store: dist.Store, prefix: str, token: str, gen: int, slots: li
     return accepted
 
 
-def receive_replica(store: dist.Store, prefix: str, token: str, gen: int, timeout_s: float, deadline: float,
+def receive_replica(store: PlaneStore, prefix: str, token: str, gen: int, timeout_s: float, deadline: float,
                     stopped: Callable[[], bool]) -> tuple[list[Slot], list[ChecksumMismatch]]:
     """The taker's end of send_replica: two fresh slots holding what arrived intact, and what did not."""
-    wait_for_key(store, f"{prefix}count", deadline, stopped=stopped)
-    count = int(store.get(f"{prefix}count"))
+    plane = ControlPlane(store.client)
+    plane.wait([Keys.handover(prefix)], deadline, give_up=stopped)
+    count = plane.get(Keys.handover(prefix), Handover).snapshots
     slots, rejected = [Slot(), Slot()], []
     if count:
         receiver = ReplicaReceiver(store, prefix, token, gen, slots, timeout_s, trusted=True)

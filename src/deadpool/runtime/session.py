@@ -8,7 +8,6 @@ rule that tells a peer's failure from the script's own error in failures.py.
 from __future__ import annotations
 
 import gc
-import json
 import random
 import sys
 import time
@@ -18,6 +17,8 @@ import numpy as np
 import torch
 
 from deadpool.errors import ConfigError, PeerFailure, UsageError
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.records import ScriptError, Started
 from deadpool.runtime import standalone
 from deadpool.runtime.comms import DataParallel
 from deadpool.runtime.context import Context
@@ -56,10 +57,10 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
 
     if ctx.config.persist_dir:  # else SIGTERM ends the process at once, as it always did
         on_termination(ctx, last_words)
-    ctx.store.set(ctx.keys.started(ctx.proc), "1")
+    ctx.plane.put(ctx.keys.started(ctx.proc), Started(ctx.proc))
     Beacon(ctx)  # from here on the coordinator can tell this process stopped, whatever it is doing
     ctx.events.emit("process_start", argv=sys.argv)
-    if ctx.role == "spare":
+    if ctx.role == Role.SPARE:
         from deadpool.spare import Standby
 
         standby = Standby(ctx, warmup)
@@ -105,7 +106,7 @@ class Session:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         report_script_errors(
-            publish=lambda report: ctx.store.set(ctx.keys.script_error(ctx.proc), json.dumps(report)),
+            publish=lambda report: ctx.plane.put(ctx.keys.script_error(ctx.proc), ScriptError(**report)),
             whose=lambda: {"rank": self.member.inc.rank, "step": self.member.progress.step, "gen": self.generation,
                            "taking_over": self.loop.recovery.target if self.loop.recovery else None},
             judged=lambda error: error is self.loop.fatal)

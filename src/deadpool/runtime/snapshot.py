@@ -16,7 +16,6 @@ replica streams are its own (`_Run`), so a thread that a stop gave up on can onl
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -24,13 +23,15 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from deadpool.errors import GenerationAborted, ProtocolError, SwapAborted
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Commit, Durable
 from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.digest import Digest, copy_hashed, hash_name
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.replica import ReplicaSender
 from deadpool.runtime.slots import Slot, free_slot, make_meta
 from deadpool.runtime.state import Flat, Layout, Stateful, flatten
@@ -51,12 +52,6 @@ class _Resend:
 
     step: int
     holders: tuple[str, ...]
-
-
-def read_committed(store: dist.Store, key: str) -> tuple[int | None, list[int]]:
-    """The coordinator's commit record of one generation: (newest committed step, abandoned steps)."""
-    record = json.loads(store.get(key))
-    return record["step"], record["abandoned"]
 
 
 class SnapshotEngine:
@@ -105,13 +100,8 @@ class SnapshotEngine:
         assert run is not None
         run.queued(+1)
         run.jobs.put(_Resend(step, holders))
-        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
-        while not run.idle.wait(0.01):
-            run.raise_if_failed()
-            if time.monotonic() > deadline:
-                raise SwapAborted(f"the restored snapshot {step} did not reach {', '.join(holders)} before the "
-                                  "collective timeout")
-        run.raise_if_failed()
+        run.await_event(run.idle, 0.01, f"the restored snapshot {step} did not reach {', '.join(holders)} before the "
+                        "collective timeout")
 
     def wait_copied(self) -> float:
         """Blocks until the last capture is in its slot: the only wait training ever pays."""
@@ -119,12 +109,7 @@ class SnapshotEngine:
         if run is None:
             return 0.0
         start = time.monotonic()
-        deadline = start + self.ctx.config.collective_timeout_s
-        while not run.copied.wait(0.05):
-            run.raise_if_failed()
-            if time.monotonic() > deadline:
-                raise SwapAborted("snapshot copy did not finish before the collective timeout")
-        run.raise_if_failed()
+        run.await_event(run.copied, 0.05, "snapshot copy did not finish before the collective timeout")
         waited = time.monotonic() - start
         self.wait_s += waited
         return waited
@@ -135,12 +120,7 @@ class SnapshotEngine:
         snapshotted committed in memory."""
         run = self._run
         assert run is not None
-        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
-        while not run.idle.wait(0.01):
-            run.raise_if_failed()
-            if time.monotonic() > deadline:
-                raise SwapAborted("the last snapshot was not replicated before the collective timeout")
-        run.raise_if_failed()
+        run.await_event(run.idle, 0.01, "the last snapshot was not replicated before the collective timeout")
         if run.durable:
             self.wait_committed(max(run.durable))
 
@@ -149,16 +129,24 @@ class SnapshotEngine:
         it (another rank skipped it under --backlog-policy skip, so it can never be committed)."""
         run = self._run
         assert run is not None
-        deadline = time.monotonic() + self.ctx.config.recovery_timeout_s
-        while True:
-            committed, abandoned = read_committed(self.ctx.store, run.inc.committed_key())
-            self.committed = committed if committed is not None else self.committed
-            if (committed is not None and committed >= step) or step in abandoned:
-                return
+
+        def done(commit: Commit | None) -> bool:
+            if commit is not None and commit.step is not None:
+                self.committed = commit.step
+                if commit.step >= step:
+                    return True
+            if commit is not None and step in commit.abandoned:
+                return True
             run.raise_if_failed()
-            if time.monotonic() > deadline:
-                raise SwapAborted(f"snapshot {step} was not committed within {self.ctx.config.recovery_timeout_s} s")
-            time.sleep(self.ctx.config.poll_interval_s / 4)
+            return False
+
+        deadline = time.monotonic() + self.ctx.config.recovery_timeout_s
+        try:
+            self.ctx.plane.wait_until(run.inc.committed_key(), Commit, done, deadline,
+                                      pause_s=self.ctx.config.poll_interval_s / 4)
+        except TimeoutError:
+            raise SwapAborted(f"snapshot {step} was not committed within {self.ctx.config.recovery_timeout_s} s"
+                              ) from None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stops this generation's thread (bounded). A thread that does not stop in time is abandoned: the
@@ -222,6 +210,16 @@ class _Run:
             else:
                 self.idle.set()
 
+    def await_event(self, event: threading.Event, every_s: float, why: str) -> None:
+        """The training thread's wait for this run's thread: raises its latched error (or the abort) as soon as
+        there is one, and SwapAborted(why) past the collective timeout."""
+        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
+        while not event.wait(every_s):
+            self.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise SwapAborted(why)
+        self.raise_if_failed()
+
     def raise_if_failed(self) -> None:
         """Surfaces a latched engine error at a step boundary, never at a random point."""
         if self.watch.aborted():
@@ -232,7 +230,8 @@ class _Run:
     def _run(self) -> None:
         if self.engine.cuda:  # this thread's own CUDA calls run on the rank's GPU, never making a context on GPU 0
             torch.cuda.set_device(self.engine.device)
-        store = connect(self.ctx.config)  # its own client: blocking waits must not stall training's
+        client = connect(self.ctx.config)  # its own client: blocking waits must not stall training's
+        store, plane = PlaneStore(client), ControlPlane(client)
         senders: dict[str, ReplicaSender] = {}
         try:
             for holder in self.inc.plan.holders[self.inc.my_rank()]:  # connect now, not in the first snapshot's path
@@ -243,10 +242,10 @@ class _Run:
                 except queue.Empty:
                     continue
                 if isinstance(job, _Resend):
-                    self._resend(job, store, senders)
+                    self._resend(job, store, plane, senders)
                     self.queued(-1)
                 elif job is not None:  # None: the wake-up stop() sends
-                    self._snapshot(job, store, senders)
+                    self._snapshot(job, store, plane, senders)
                     self.queued(-1)
         except InterruptedError:
             pass
@@ -259,12 +258,12 @@ class _Run:
             self.idle.set()
             senders.clear()  # closing the pair groups tells the holders this stream is over
 
-    def _snapshot(self, job: _Job, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
+    def _snapshot(self, job: _Job, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         start = time.monotonic()
-        slot = self._reserve(job, store)
+        slot = self._reserve(job, plane)
         if slot is None:
             self.skipped = (self.skipped + [job.step])[-8:]
-            self._report(store)
+            self._report(plane)
             self.ctx.events.emit("snapshot_skipped", step=job.step, reason="no free slot: the last snapshot is "
                                  "not committed yet (--backlog-policy skip)")
             self.copied.set()
@@ -282,44 +281,48 @@ class _Run:
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
             self._replicate(slot, holder, store, senders)
         self.durable.add(job.step)
-        self._report(store)
+        self._report(plane)
         self.engine.costs.append(time.monotonic() - start)
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, slot_wait_s=reserved - start,
                              copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
-    def _resend(self, job: _Resend, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
+    def _resend(self, job: _Resend, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         slot = self.engine.slot_for(job.step)
         for holder in job.holders:
             self._replicate(slot, holder, store, senders)
         self.durable.add(job.step)
-        self._report(store)
+        self._report(plane)
         self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders))
 
-    def _reserve(self, job: _Job, store: dist.Store) -> Slot | None:
+    def _reserve(self, job: _Job, plane: ControlPlane) -> Slot | None:
         """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""
         skip = self.ctx.config.backlog_policy == "skip"
-        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
-        pause = 0.0005
-        while True:
-            committed, abandoned = read_committed(store, self.inc.committed_key())
+        reserved: list[Slot] = []
+
+        def done(commit: Commit | None) -> bool:
+            if commit is None:  # the coordinator writes a generation's commit before its ranks snapshot
+                return False
+            committed, abandoned = commit.step, commit.abandoned
             self.engine.committed = committed if committed is not None else self.engine.committed
             with self.engine.lock:
                 if self.stop.is_set() or self.watch.aborted():
                     raise InterruptedError("generation over")
-                slot = free_slot(self.engine.slots, committed, abandoned)
+                slot = free_slot(self.engine.slots, committed, list(abandoned))
                 if slot is not None:
                     self.writing = slot
                     # snapshot 0 precedes the optimizer's state, so its size is not final: pinned from step 1 on
                     slot.reserve(job.layout.nbytes, pin=self.engine.cuda and job.step > 0)
-                    return slot
-            if skip:
-                return None
-            if time.monotonic() > deadline:
-                raise SwapAborted(f"no slot for snapshot {job.step}: nothing was committed before the collective "
-                                  "timeout")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
+                    reserved.append(slot)
+            return bool(reserved) or skip
+
+        deadline = time.monotonic() + self.ctx.config.collective_timeout_s
+        try:
+            plane.wait_until(self.inc.committed_key(), Commit, done, deadline)
+        except TimeoutError:
+            raise SwapAborted(f"no slot for snapshot {job.step}: nothing was committed before the collective "
+                              "timeout") from None
+        return reserved[0] if reserved else None
 
     def _report_memory(self) -> None:
         """What this rank's own slots hold in host memory, when it changes (the first snapshots size them)."""
@@ -329,15 +332,15 @@ class _Run:
             self.engine.reported_bytes = held
             self.ctx.events.emit("slot_memory", bytes=held, slots=len(slots), pinned=any(s.pinned for s in slots))
 
-    def _report(self, store: dist.Store) -> None:
+    def _report(self, plane: ControlPlane) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
         held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
-        report: dict[str, object] = {"steps": held, "skipped": self.skipped}
+        fingerprints: dict[int, int] = {}
         if self.engine.replicated:
             # a resent snapshot has none: it was compared when it was taken
-            self.fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
-            report["fingerprints"] = {str(step): fp for step, fp in self.fingerprints.items()}
-        store.set(self.inc.durable_key(), json.dumps(report))
+            self.fingerprints = fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
+        plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(held),
+                                                  tuple(self.skipped), fingerprints))
 
     def _copy(self, job: _Job, buffer: torch.Tensor) -> Digest:
         """Copies every tensor into its place in the slot and hashes it in the same pass (digest.py); on GPU
@@ -361,14 +364,14 @@ class _Run:
             return copy_hashed(sources, buffer, job.layout.lead_nbytes, behind=not engine.cuda,
                                non_blocking=engine.cuda, midway=midway, settle=settle)
 
-    def _connect(self, holder: str, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
+    def _connect(self, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:
             prefix = self.inc.pair_prefix(self.inc.my_rank(), holder)
             with communicating(f"connecting to holder {holder}"):
                 senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.inc.generation,
                                                 self.ctx.config.collective_timeout_s)
 
-    def _replicate(self, slot: Slot, holder: str, store: dist.Store, senders: dict[str, ReplicaSender]) -> None:
+    def _replicate(self, slot: Slot, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender]) -> None:
         self._connect(holder, store, senders)
 
         def midway() -> None:

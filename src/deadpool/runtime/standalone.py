@@ -19,7 +19,6 @@ With no spare, a failure ends the job, as it would under torchrun.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -33,22 +32,16 @@ from typing import Callable, Mapping
 import torch
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.protocol import (
-    CONFIG_KEY,
-    ENV_CONFIG,
-    ENV_DEVICE,
-    ENV_PROC,
-    ENV_ROLE,
-    Keys,
-    torchrun_env,
-)
 from deadpool.errors import AuthenticationError, ConfigError, ControlPlaneError
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import runtime_settings
 from deadpool.launcher.inprocess import HostedJob
+from deadpool.protocol.keys import CONFIG_KEY, ENV_CONFIG, ENV_DEVICE, ENV_PROC, ENV_ROLE, Keys, torchrun_env
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.nodes import Pid, ProcessExit
+from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.secret import ENV_SECRET, find_secret, new_secret, read_secret, write_secret
 from deadpool.protocol.store import StoreClient
-from deadpool.runtime.context import wait_for_key
 from deadpool.runtime.terminate import at_exit
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -137,12 +130,12 @@ def join() -> None:
     config, hosted = _host(shape, gpu) if shape.rank == 0 else (_follow(shape), None)
     proc = f"w{shape.rank}"
     keys = Keys(config.token)
-    client = StoreClient(config.store_host, config.store_port, read_secret(config.secret_file), CONNECT_S)
-    client.set(keys.node_pid(proc), str(os.getpid()))
+    plane = ControlPlane(StoreClient(config.store_host, config.store_port, read_secret(config.secret_file), CONNECT_S))
+    plane.put(keys.node_pid(proc), Pid(proc, os.getpid()))
     terminated = _exit_on_sigterm()
-    report = lambda code: client.set(keys.exited(proc), json.dumps({"code": code, "pid": os.getpid()}))  # noqa: E731
+    report = lambda code: plane.put(keys.exited(proc), ProcessExit(proc, code, os.getpid()))  # noqa: E731
     at_exit(lambda: _exit(report, hosted, config, terminated))
-    identity = {ENV_CONFIG: str(Path(config.run_dir) / "config.json"), ENV_PROC: proc, ENV_ROLE: "worker",
+    identity = {ENV_CONFIG: str(Path(config.run_dir) / "config.json"), ENV_PROC: proc, ENV_ROLE: Role.WORKER.value,
                 ENV_DEVICE: "" if gpu is None else str(gpu),
                 **torchrun_env(shape.rank, shape.world_size, config.nproc_per_node, gpu)}
     os.environ.update(runtime_settings(config, {**os.environ, **identity}))
@@ -183,8 +176,9 @@ def _follow(shape: Shape) -> JobConfig:
         secret = read_secret(path)
     client = _connect_to_rank_0(shape, secret, path)
     try:
-        wait_for_key(client, CONFIG_KEY, time.monotonic() + CONNECT_S)  # type: ignore[arg-type]
-        config = JobConfig.from_json(client.get(CONFIG_KEY).decode())
+        plane = ControlPlane(client)
+        plane.wait([CONFIG_KEY], time.monotonic() + CONNECT_S)
+        config = plane.get(CONFIG_KEY, JobConfig)
     finally:
         client.close()
     if shape.nodes > 1:  # on another machine than rank 0's, each local rank writes the same, atomically

@@ -15,14 +15,15 @@ generations, when no Watch runs. The coordinator fences a process whose beacon s
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from deadpool.runtime.context import Context, connect
+from deadpool.protocol.kinds import Phase
+from deadpool.protocol.records import Heartbeat
+from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation
 
 BEAT_EVERY_S = 0.1  # heartbeat period when progress does not change (progress changes are sent at once)
@@ -33,7 +34,7 @@ class Progress:
     a torn read costs nothing worse than one stale heartbeat)."""
 
     def __init__(self) -> None:
-        self.step, self.phase, self.waiting = 0, "start", False
+        self.step, self.phase, self.waiting = 0, Phase.START.value, False
         self.marks = 0  # every mark is progress, even of the same phase (rank 0 evaluating: forward after forward)
         self.step_times: list[float] = []
 
@@ -54,10 +55,9 @@ class Progress:
     def record_step(self, duration: float) -> None:
         self.step_times = (self.step_times + [duration])[-20:]
 
-    def pulse(self, gen: int, beat: int) -> str:
+    def pulse(self, gen: int, beat: int) -> Heartbeat:
         step_s = statistics.median(self.step_times) if self.step_times else None
-        return json.dumps({"gen": gen, "beat": beat, "step": self.step, "phase": self.phase, "marks": self.marks,
-                           "waiting": self.waiting, "step_s": step_s})
+        return Heartbeat(gen, beat, self.step, self.phase, self.marks, self.waiting, step_s)
 
 
 class Beacon:
@@ -71,9 +71,9 @@ class Beacon:
     def _run(self) -> None:
         key = self.ctx.keys.alive(self.ctx.proc)
         try:
-            store = connect(self.ctx.config)  # its own client: never queued behind another thread's call
+            plane = self.ctx.own_plane()  # never queued behind another thread's call
             while True:
-                store.add(key, 1)
+                plane.count(key)
                 time.sleep(BEAT_EVERY_S)
         except Exception:  # the store is gone: the job ended, and this process exits with it
             return
@@ -102,7 +102,7 @@ class Watch:
         self._thread.join(1.0)
         if last_words is not None and self.progress is not None:
             self.progress.mark(self.progress.step, last_words)
-            self.ctx.store.set(self.ctx.keys.heartbeat(self.ctx.proc), self.progress.pulse(self.inc.generation, -1))
+            self.ctx.plane.put(self.ctx.keys.heartbeat(self.ctx.proc), self.progress.pulse(self.inc.generation, -1))
 
     def beat_now(self) -> None:
         """Publishes this rank's progress at once, from the calling thread: a planned hang (SIGSTOP) is about
@@ -111,16 +111,17 @@ class Watch:
         if self.progress is not None:
             with self._beating:
                 self._beat += 1
-                self.ctx.store.set(self.ctx.keys.heartbeat(self.ctx.proc),
+                self.ctx.plane.put(self.ctx.keys.heartbeat(self.ctx.proc),
                                    self.progress.pulse(self.inc.generation, self._beat))
 
     def _run(self) -> None:
-        store = connect(self.ctx.config)  # its own client: never queued behind another thread's call
+        plane = self.ctx.own_plane()  # never queued behind another thread's call
         abort, beat_key = self.inc.abort_key(), self.ctx.keys.heartbeat(self.ctx.proc)
-        sent, sent_t = "", 0.0
+        sent: Heartbeat | None = None
+        sent_t = 0.0
         try:
             while not self._closed.wait(self.ctx.config.poll_interval_s):
-                if not self._aborted.is_set() and store.check([abort]):
+                if not self._aborted.is_set() and plane.has(abort):
                     self._aborted.set()
                     self.on_abort()
                 if self.progress is None:
@@ -130,7 +131,7 @@ class Watch:
                     if self.progress.pulse(self.inc.generation, self._beat) != sent or now - sent_t >= BEAT_EVERY_S:
                         self._beat += 1
                         sent, sent_t = self.progress.pulse(self.inc.generation, self._beat), now
-                        store.set(beat_key, sent)
+                        plane.put(beat_key, sent)
         except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
             if not self._closed.is_set():
                 self.ctx.events.emit("watch_ended", error=str(error).splitlines()[0] if str(error) else "")

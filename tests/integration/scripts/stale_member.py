@@ -11,8 +11,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from deadpool.protocol.records import Durable
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.replica import ReplicaSender
 from deadpool.runtime.slots import Slot, checksum
@@ -32,14 +34,14 @@ def attempt(what: str, action) -> None:
 
 
 def join() -> str:
-    store = dist.PrefixStore(inc.group_prefix(), connect(ctx.config, timeout_s=1.0))
+    store = dist.PrefixStore(inc.group_prefix(), PlaneStore(connect(ctx.config, timeout_s=1.0)))
     dist.ProcessGroupGloo(store, inc.my_rank(), inc.world_size, timedelta(seconds=1))
     return "joined"
 
 
 def replicate() -> str:
     holder = inc.plan.holders[1][0]
-    sender = ReplicaSender(connect(ctx.config, timeout_s=1.0), inc.pair_prefix(inc.my_rank(), holder),
+    sender = ReplicaSender(PlaneStore(connect(ctx.config, timeout_s=1.0)), inc.pair_prefix(inc.my_rank(), holder),
                            ctx.config.token, inc.generation, 1.0)
     slot = Slot()
     slot.reserve(8).copy_(torch.arange(8, dtype=torch.uint8))
@@ -48,7 +50,7 @@ def replicate() -> str:
     return "sent"
 
 
-ctx.store.set(inc.durable_key(), '{"steps": [99], "skipped": []}')  # its keys name its generation only
+ctx.plane.put(inc.durable_key(), Durable(inc.generation, inc.my_rank(), (99,), ()))  # keys name its generation only
 print(f"durable key: {inc.durable_key().removeprefix(ctx.keys.prefix)}", flush=True)
 
 

@@ -9,8 +9,8 @@ from deadpool.config import JobConfig
 from deadpool.coordinator.machine import advance, start
 from deadpool.coordinator.persist import persist_due, writers_of
 from deadpool.coordinator.policy import Durable
-from deadpool.coordinator.protocol import Plan
 from deadpool.coordinator.state import CoordinatorState, Emit, Finalize, Inputs, OrderPersist, Say, Stop
+from deadpool.protocol.plan import Plan
 from deadpool.protocol.records import PersistOrder, PersistReport
 
 CONFIG = JobConfig(script="train.py", workers=2, spares=1, run_dir="run", persist_dir="ckpt", persist_every=2)

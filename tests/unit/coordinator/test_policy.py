@@ -28,7 +28,7 @@ from deadpool.coordinator.policy import (
     plan_after_join,
     wait_for_spare,
 )
-from deadpool.coordinator.protocol import Plan
+from deadpool.protocol.plan import Plan
 
 WORKERS = ("w0", "w1", "w2", "w3")
 

@@ -1,32 +1,20 @@
 """Tests for deadpool/coordinator/server.py: the shell applies the machine's effects to a store and processes."""
 
-import json
 from dataclasses import dataclass
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.protocol import Keys
 from deadpool.coordinator.server import Coordinator
-from deadpool.coordinator.status import JobStatus
 from deadpool.events import EventLog, read_events
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Commit, Published, Shutdown, Started
+from deadpool.protocol.status import JobStatus
+from deadpool.protocol.store import Table
 
 
-class Store:
-    """The TCPStore methods the shell calls, over a dict."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [self.data[k] for k in keys]
+def Store() -> ControlPlane:  # noqa: N802
+    """The control plane over a real store table, in this process."""
+    return ControlPlane(Table())
 
 
 @dataclass
@@ -39,13 +27,13 @@ class Child:
 class Processes:
     """The processes named in `codes` exit with their code at the first poll; those that exit 0 had started."""
 
-    def __init__(self, store: Store, keys: Keys, codes: dict[str, int]) -> None:
+    def __init__(self, store: ControlPlane, keys: Keys, codes: dict[str, int]) -> None:
         self.store, self.keys, self.codes, self.children, self.log = store, keys, codes, {}, []
 
     def spawn(self, name: str, role: str, rank: int) -> Child:
         self.children[name] = Child(name, pid=1000 + len(self.children))
         if self.codes.get(name) == 0:
-            self.store.set(self.keys.started(name), "1")
+            self.store.put(self.keys.started(name), Started(name))
         self.log.append(("spawn", name, role, rank))
         return self.children[name]
 
@@ -81,15 +69,15 @@ def test_a_job_whose_ranks_finish_is_published_run_and_ended_through_the_store(t
     assert Coordinator(config, store, events, processes).run() == 0
     assert processes.log == [("spawn", "w0", "worker", 0), ("spawn", "w1", "worker", 1), ("spawn", "s0", "spare", 2),
                              ("stop_all", 10.0)]
-    assert store.get(keys.shutdown()) == b"done" and store.get(keys.generation()) == b"0"
-    assert json.loads(store.get(keys.committed(0))) == {"step": None, "abandoned": []}
-    assert json.loads(store.get(keys.durable(0, 1))) == {"steps": [], "skipped": []}
-    assert store.get(keys.heartbeat("s0")) == b""
+    assert store.get(keys.shutdown(), Shutdown).how == "done" and store.get(keys.generation(), Published).gen == 0
+    assert store.get(keys.committed(0), Commit) == Commit(0, None, ())
+    # a rank's own reports have one writer, the rank: the coordinator writes none for it
+    assert store.present([keys.durable(0, 1), keys.heartbeat("s0"), keys.alive("s0")]) == [False, False, False]
     names = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
     assert names == ["plan_published", "process_spawned", "process_spawned", "process_spawned", "job_finished"]
     status = JobStatus.from_json((tmp_path / "status.json").read_text())
     assert (status.outcome, status.exit_code) == ("finished", 0)
-    assert JobStatus.from_json(store.get(keys.status())) == status
+    assert store.get(keys.status(), JobStatus) == status
 
 
 def test_a_script_that_fails_before_init_fences_the_others_and_says_why_on_stderr(tmp_path, capsys):
@@ -99,7 +87,7 @@ def test_a_script_that_fails_before_init_fences_the_others_and_says_why_on_stder
     assert Coordinator(config, store, events, processes).run() == 1
     assert sorted(processes.log[3:5]) == [("fence", "s0"), ("fence", "w0")]  # the live ones, in any order
     assert processes.log[5:] == [("stop_all", 5.0)]
-    assert store.get(keys.shutdown()) == b"failed"
+    assert store.get(keys.shutdown(), Shutdown).how == "failed"
     assert capsys.readouterr().err == (
         "[coordinator] job failed: error in the training script on w1: exited with code 2 before deadpool.init(). "
         "This is a bug in the script, not a node failure, so no spare was used; the traceback is above (and in "

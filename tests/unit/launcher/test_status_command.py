@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from deadpool.coordinator.status import JobStatus, Member, Recovery, write_status
 from deadpool.errors import ConfigError
 from deadpool.launcher.cli import main
 from deadpool.launcher.status import read_status, render
+from deadpool.protocol.status import JobStatus, Member, Recovery, write_status
 
 STATUS = JobStatus(generation=1, phase="steady", outcome="running", reason=None, exit_code=None,
                    members=(Member("w0", 0, 0, ()), Member("s0", 1, 2, ()), Member("s1", None, 3, (0, 1))),

@@ -176,3 +176,26 @@ def test_closing_the_server_releases_a_blocked_wait():
     with pytest.raises(ControlPlaneError):
         client.wait(["never"], timedelta(seconds=30))
     assert time.monotonic() - started < 10  # released by the close, not by its 30 s timeout
+
+
+def test_peek_reads_what_exists_in_one_call_and_never_blocks(server):
+    client = StoreClient("127.0.0.1", server.port, SECRET, timeout_s=5)
+    client.set("a", b"")
+    client.set("b", b"\x00\xff")
+    assert client.peek(["a", "missing", "b"]) == [b"", None, b"\x00\xff"]
+    assert client.peek([]) == []
+    client.close()
+
+
+def test_wait_any_returns_the_first_key_that_exists_and_none_at_its_timeout(server):
+    client = StoreClient("127.0.0.1", server.port, SECRET, timeout_s=5)
+    threading.Timer(0.1, lambda: server.table.set("late", "1")).start()
+    started = time.monotonic()
+    assert client.wait_any(["never", "late"], 5.0) == "late"
+    assert time.monotonic() - started < 2.0  # woken by the write, not at the timeout
+    server.table.set("early", "1")
+    assert client.wait_any(["late", "early"], 1.0) == "late"  # the first of the keys, in their order
+    started = time.monotonic()
+    assert client.wait_any(["never"], 0.2) is None
+    assert 0.2 <= time.monotonic() - started < 2.0
+    client.close()

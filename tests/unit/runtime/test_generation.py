@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deadpool.coordinator.protocol import Keys, Plan
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.plan import Plan
 from deadpool.runtime.generation import Incarnation, assume
 
 PLAN = Plan(generation=3, ranks=("w0", "s0", "w2"), holders=(("w2",), ("w0",), ("s0",)), spares=("s1",))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -10,13 +9,18 @@ import torch
 from tests.plane import control_plane
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.protocol import Keys, Plan
 from deadpool.errors import SwapAborted
 from deadpool.events import EventLog
 from deadpool.faults.plan import FaultInjector
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.plan import Plan
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Commit
 from deadpool.protocol.store import Table
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.snapshot import SnapshotEngine
 from deadpool.runtime.watch import Watch
 
@@ -33,10 +37,12 @@ def _engine(tmp_path, master: Table, plane: dict):
                        poll_interval_s=0.01, recovery_timeout_s=1.0, collective_timeout_s=2.0,
                        silence_timeout_s=1.0)
     keys, events = Keys("t"), EventLog(tmp_path / "events.jsonl", role="worker", proc="w0")
-    store = connect(config)
-    ctx = Context("w0", "worker", config, store, keys, events, FaultInjector((), store, keys, events))
+    client = connect(config)
+    plane = ControlPlane(client)
+    ctx = Context("w0", Role.WORKER, config, PlaneStore(client), plane, keys, events,
+                  FaultInjector((), plane, keys, events))
     inc = Incarnation.of(Plan(generation=0, ranks=("w0",), holders=((),), spares=()), "w0", keys)
-    master.set(inc.committed_key(), json.dumps({"step": None, "abandoned": []}))
+    commit(master, inc, None, [])
     watch = Watch(ctx, inc, None)
     engine = SnapshotEngine(ctx, torch.device("cpu"))
     engine.start(inc, watch)
@@ -46,7 +52,7 @@ def _engine(tmp_path, master: Table, plane: dict):
 
 
 def commit(master: Table, inc: Incarnation, step: int | None, abandoned: list[int]) -> None:
-    master.set(inc.committed_key(), json.dumps({"step": step, "abandoned": abandoned}))
+    ControlPlane(master).put(inc.committed_key(), Commit(inc.generation, step, tuple(abandoned)))
 
 
 def test_wait_committed_returns_once_the_step_or_a_newer_one_is_committed(engine):

@@ -1,12 +1,12 @@
-"""Tests for deadpool/coordinator/status.py: the job-status record's JSON, and what it refuses."""
+"""Tests for deadpool/protocol/status.py: the job-status record's JSON, and what it refuses."""
 
 import json
 import stat
 
 import pytest
 
-from deadpool.coordinator.status import JobStatus, Member, Recovery, write_status
 from deadpool.errors import ProtocolError
+from deadpool.protocol.status import JobStatus, Member, Recovery, write_status
 
 STATUS = JobStatus(generation=1, phase="steady", outcome="running", reason=None, exit_code=None,
                    members=(Member("w0", 0, 0, ()), Member("s0", 1, 2, ()), Member("s1", None, 3, (0, 1))),

@@ -1,9 +1,10 @@
-"""Tests for deadpool/coordinator/protocol.py: the JSON plan and the store keys."""
+"""Tests for deadpool/protocol/keys.py and plan.py: the JSON plan and the store keys."""
 
 import json
 
 from deadpool.coordinator.policy import place_devices
-from deadpool.coordinator.protocol import Keys, Plan, torchrun_env
+from deadpool.protocol.keys import Keys, torchrun_env
+from deadpool.protocol.plan import Plan
 
 PLAN = Plan(generation=3, ranks=("w0", "s1", "w2"), holders=(("s0",), ("s0", "s2"), ()), spares=("s0", "s2"),
             reason="w1 (rank 1) failed; spare s1 takes rank 1", fresh=((), ("s2",), ()))

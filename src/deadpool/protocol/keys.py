@@ -1,4 +1,4 @@
-"""Control-plane messages: the store keys and the JSON plan every process reads (no pickle anywhere).
+"""The names processes share: every store key of a job, and the environment that carries a process's identity.
 
 Recovery, as the store sees it (a set F of ranks fails in generation g; g+1 replaces it):
 
@@ -22,9 +22,6 @@ mistaken for g+1; every key carries the job's secret token in its prefix.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-
 # Process identity travels in the environment; everything else is in the config file it names.
 ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
 CONFIG_KEY = "deadpool/job"  # the job's config as JSON, unprefixed: what an agent reads first (launcher/node.py)
@@ -45,57 +42,6 @@ def torchrun_env(rank: int, world_size: int, nproc_per_node: int = 0, gpu: int |
     local, local_world = (rank % nproc_per_node, nproc_per_node) if nproc_per_node else (rank, world_size)
     return {"RANK": str(rank), "LOCAL_RANK": str(local if gpu is None else gpu), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(local_world)}
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Who is which rank in one generation, who holds whose replica, and where takers get their state."""
-
-    generation: int
-    ranks: tuple[str, ...]                 # rank -> process name
-    holders: tuple[tuple[str, ...], ...]   # rank -> processes holding its replica (for this generation's snapshots)
-    spares: tuple[str, ...]                # idle spares, in pool order
-    reason: str = "job start"
-    replicate: bool = True                 # False when snapshots are off: spares then hold nothing
-    sources: tuple[str | None, ...] = ()   # rank -> process that streams its replica to the new owner, or None
-    replicas: int = 1                      # holders wanted per rank (--replicas)
-    nodes: dict[str, int] = field(default_factory=dict)  # process -> its node; none: each is its own machine
-    fresh: tuple[tuple[str, ...], ...] = ()  # rank -> its holders placed anew: they get the restored snapshot
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    def rank_of(self, proc: str) -> int | None:
-        return self.ranks.index(proc) if proc in self.ranks else None
-
-    def held_by(self, proc: str) -> list[int]:
-        """The ranks whose snapshots `proc` must hold in this generation."""
-        return [rank for rank, holders in enumerate(self.holders) if proc in holders]
-
-    def source_of(self, rank: int) -> str | None:
-        return self.sources[rank] if rank < len(self.sources) else None
-
-    def fresh_for(self, rank: int) -> tuple[str, ...]:
-        """Holders of `rank` that do not hold its restored snapshot yet: the rank sends it to them before
-        this generation runs, or a failure right after the recovery would find no copy of it."""
-        return self.fresh[rank] if rank < len(self.fresh) else ()
-
-    def sends_from(self, proc: str) -> list[int]:
-        """The ranks whose replicas `proc` must stream to their new owners while this generation recovers."""
-        return [rank for rank, source in enumerate(self.sources) if source == proc]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Plan":
-        raw = json.loads(text)
-        return cls(generation=raw["generation"], ranks=tuple(raw["ranks"]),
-                   holders=tuple(tuple(h) for h in raw["holders"]), spares=tuple(raw["spares"]),
-                   reason=raw["reason"], replicate=raw["replicate"], sources=tuple(raw.get("sources", ())),
-                   replicas=raw.get("replicas", 1), nodes=raw.get("nodes", {}),
-                   fresh=tuple(tuple(h) for h in raw.get("fresh", ())))
 
 
 class Keys:
@@ -125,7 +71,7 @@ class Keys:
         return self._k("shutdown")
 
     def status(self) -> str:
-        """The job-status record (coordinator/status.py), rewritten by the coordinator whenever it changes."""
+        """The job-status record (protocol/status.py), rewritten by the coordinator whenever it changes."""
         return self._k("status")
 
     # per process, across generations
@@ -137,7 +83,7 @@ class Keys:
         return self._k(f"hb/{proc}")
 
     def alive(self, proc: str) -> str:
-        """A counter the process's beacon adds to (runtime/watch.Beacon), reset to 0 when it is spawned."""
+        """A counter the process's beacon adds to (runtime/watch.Beacon); absent until it first beats."""
         return self._k(f"alive/{proc}")
 
     def device(self, proc: str) -> str:
@@ -158,13 +104,12 @@ class Keys:
         return self._k("nodes/joined")
 
     def node_beat(self, node: int) -> str:
+        """A counter the node's agent adds to while it lives."""
         return self._k(f"node/{node}/beat")
 
     def node_spawn(self, node: int, index: int) -> str:
+        """The agent's `index`-th order (from 1, without gaps): it reads the next until it is absent."""
         return self._k(f"node/{node}/spawn/{index}")
-
-    def node_spawned(self, node: int) -> str:
-        return self._k(f"node/{node}/spawned")
 
     def node_exit(self, node: int, proc: str) -> str:
         return self._k(f"node/{node}/exit/{proc}")
@@ -188,6 +133,16 @@ class Keys:
 
     def transfer_prefix(self, gen: int, rank: int) -> str:
         return self._k(f"g{gen}/xfer/{rank}/")
+
+    @staticmethod
+    def announce(stream: str, index: int) -> str:
+        """A replica stream's `index`-th snapshot (from 1), announced under the stream's prefix (pair or transfer)."""
+        return f"{stream}seq/{index}"
+
+    @staticmethod
+    def handover(stream: str) -> str:
+        """How many snapshots a transfer stream carries (recovery: holder -> taker)."""
+        return f"{stream}count"
 
     # commit tracking: ranks report, the coordinator alone commits
     def durable(self, gen: int, rank: int) -> str:

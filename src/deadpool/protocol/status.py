@@ -1,4 +1,5 @@
 """The job-status record: what the coordinator publishes whenever the job's state changes (`deadpool status`).
+Key status, and run_dir/status.json. Writer: the coordinator (coordinator/server.py). Reader: `deadpool status`.
 
 Plain JSON, checked field by field on the way in: a reader refuses a malformed record with a clear error
 instead of showing half of it (no pickle anywhere).
@@ -13,8 +14,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from deadpool.errors import ProtocolError
+from deadpool.protocol.kinds import Outcome
 
-RUNNING, FINISHED, FAILED = "running", "finished", "failed"
 VERSION = 1
 
 
@@ -43,7 +44,7 @@ class Recovery:
 class JobStatus:
     generation: int
     phase: str                   # the coordinator's (state.Phase): steady, settling, await_ready, ...
-    outcome: str                 # running, finished or failed
+    outcome: Outcome
     reason: str | None           # why it failed
     exit_code: int | None
     members: tuple[Member, ...]  # ranks in rank order, then idle spares in pool order
@@ -65,16 +66,16 @@ class JobStatus:
         fields = _record(raw, "job status", {"version": int, **_TOP})
         if fields["version"] != VERSION:
             raise ProtocolError(f"job status has version {fields['version']}, this reader knows {VERSION}")
-        if fields["outcome"] not in (RUNNING, FINISHED, FAILED):
-            raise ProtocolError(f"job status: outcome must be {RUNNING}, {FINISHED} or {FAILED}, "
-                                f"got {fields['outcome']!r}")
+        *first, last = (o.value for o in Outcome)
+        if fields["outcome"] not in (*first, last):
+            raise ProtocolError(f"job status: outcome must be {', '.join(first)} or {last}, got {fields['outcome']!r}")
         members = tuple(Member(**{**m, "holds": tuple(_ints(m["holds"], "members.holds"))})
                         for m in (_record(m, "job status member", _MEMBER) for m in fields["members"]))
         recoveries = tuple(Recovery(**_record(r, "job status recovery", _RECOVERY)) for r in fields["recoveries"])
         for recovery in recoveries:
             _record(recovery.replaced, "job status recovery.replaced", dict.fromkeys(recovery.replaced, str))
         del fields["version"]
-        return cls(**{**fields, "members": members, "recoveries": recoveries})
+        return cls(**{**fields, "outcome": Outcome(fields["outcome"]), "members": members, "recoveries": recoveries})
 
 
 # field -> its JSON type(s)
