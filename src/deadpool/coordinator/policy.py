@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generic, Mapping, TypeVar
+from typing import Callable, Generic, Mapping, TypeVar
 
 from deadpool.protocol.kinds import ExitKind
 from deadpool.protocol.plan import Plan
@@ -335,17 +335,13 @@ def wait_for_spare(steady: Plan, lost: frozenset[str], waited_s: float, spare_wa
 
 @dataclass(frozen=True)
 class Durable:
-    """One rank's report: the snapshot steps it holds durably (local copy + every holder's ack), and
-    the ones it skipped (--backlog-policy skip), which can therefore never be committed."""
+    """One rank's report as the commit rule sees it (the wire record is protocol/records.Durable): the snapshot
+    steps it holds durably (local copy + every holder's ack), and the ones it skipped (--backlog-policy skip),
+    which can therefore never be committed."""
 
     steps: tuple[int, ...] = ()
     skipped: tuple[int, ...] = ()
     fingerprints: Mapping[int, int] = field(default_factory=dict)  # data parallel: step -> replicated state's CRC
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> "Durable":
-        return cls(tuple(raw["steps"]), tuple(raw["skipped"]),
-                   {int(step): crc for step, crc in raw.get("fingerprints", {}).items()})
 
 
 def commit_step(committed: int | None, reports: Mapping[int, Durable]) -> Decision[int]:

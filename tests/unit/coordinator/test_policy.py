@@ -483,12 +483,6 @@ def test_without_fingerprints_nothing_is_compared():
     assert (check.agreed, check.divergence) == (2, None)
 
 
-def test_durable_reports_read_their_json():
-    report = Durable.from_json({"steps": [3, 4], "skipped": [2], "fingerprints": {"3": 11, "4": 12}})
-    assert report == Durable(steps=(3, 4), skipped=(2,), fingerprints={3: 11, 4: 12})
-    assert Durable.from_json({"steps": [], "skipped": []}).fingerprints == {}
-
-
 # ---- place_devices -----------------------------------------------------------------------------
 
 def test_every_process_gets_its_own_gpu_when_there_are_enough():
