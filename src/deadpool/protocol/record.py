@@ -28,15 +28,19 @@ class Record:
 
     @classmethod
     def from_json(cls: type[R], text: str | bytes) -> R:
-        kind = cls.__name__
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ProtocolError(f"malformed {kind} record: not JSON ({error})") from None
-        if not isinstance(raw, dict):
-            raise ProtocolError(f"malformed {kind} record: expected an object, got {type(raw).__name__}")
-        value: R = _convert(raw, cls, kind, "")
+        value: R = _convert(json_object(cls.__name__, text), cls, cls.__name__, "")
         return value
+
+
+def json_object(kind: str, text: str | bytes) -> dict[str, Any]:
+    """The JSON object a `kind` record is sent as, or a ProtocolError saying why the text is none."""
+    try:
+        raw = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ProtocolError(f"malformed {kind} record: not JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"malformed {kind} record: expected an object, got {type(raw).__name__}")
+    return raw
 
 
 @functools.cache

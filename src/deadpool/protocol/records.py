@@ -17,17 +17,12 @@ from typing import Any, Mapping
 
 from deadpool.errors import ProtocolError
 from deadpool.protocol.kinds import Ending
-from deadpool.protocol.record import Record
+from deadpool.protocol.record import Record, json_object
 
 
 def _parse(kind: str, text: str | bytes, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
     """The JSON object of one record, with every field present and of its type."""
-    try:
-        raw = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ProtocolError(f"malformed {kind} record: not JSON ({error})") from None
-    if not isinstance(raw, dict):
-        raise ProtocolError(f"malformed {kind} record: expected an object, got {type(raw).__name__}")
+    raw = json_object(kind, text)
     for name, types in fields.items():
         allowed = types if isinstance(types, tuple) else (types,)
         value = raw.get(name)
