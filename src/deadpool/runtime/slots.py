@@ -9,14 +9,26 @@ from dataclasses import dataclass, field
 import torch
 
 from deadpool.runtime.digest import Digest
+from deadpool.runtime.slices import held
 from deadpool.runtime.state import Layout
 
 
+def held_ranges(meta: bytes | dict, nbytes: int) -> list[tuple[int, int]]:
+    """The byte ranges of a slot of `nbytes` that its snapshot holds (slices.held): all of them, unless
+    the snapshot holds one data-parallel piece of the replicated state."""
+    parsed = json.loads(meta) if isinstance(meta, bytes) else meta
+    piece = parsed.get("slice")
+    return held(parsed.get("lead", 0), nbytes, None if piece is None else (piece[0], piece[1]))
+
+
 def checksum(meta: bytes, data: torch.Tensor) -> int:
-    """The hash (digest.py) of the data bytes, then the metadata: what a snapshot is sealed with, one pass
-    over bytes already in a slot (the hash releases the GIL on large buffers)."""
+    """The hash (digest.py) of the bytes the snapshot holds (held_ranges), then the metadata: what a
+    snapshot is sealed with, one pass over bytes already in a slot (the hash releases the GIL on large
+    buffers)."""
     digest = Digest()
-    digest.update(data.numpy().data)
+    raw = data.numpy().data
+    for start, end in held_ranges(meta, data.numel()):
+        digest.update(raw[start:end])
     return digest.finish(meta)[1]
 
 
@@ -99,12 +111,16 @@ class Slot:
 
 
 def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[bool], cuda_flags: list[bool],
-              stable: list[bool], replicated: bool) -> bytes:
+              stable: list[bool], replicated: bool, piece: tuple[int, int] | None = None) -> bytes:
     """What a slot's bytes are: the skeleton and each tensor's place. `stable` marks parameters and optimizer
-    state; `replicated`: those are identical on every data-parallel rank (the disk tier writes them once)."""
-    return json.dumps({"step": step, "skeleton": skeleton, "tensors": layout.to_json(), "numpy": numpy_flags,
-                       "cuda": cuda_flags, "stable": stable, "replicated": replicated,
-                       "nbytes": layout.nbytes}).encode()
+    state; `replicated`: those are identical on every data-parallel rank (the disk tier writes them once).
+    `lead`: where the stable tensors end; `piece`: the bytes of them this slot holds (slices.py; None: all)."""
+    meta = {"step": step, "skeleton": skeleton, "tensors": layout.to_json(), "numpy": numpy_flags,
+            "cuda": cuda_flags, "stable": stable, "replicated": replicated, "nbytes": layout.nbytes,
+            "lead": layout.lead_nbytes}
+    if piece is not None:
+        meta["slice"] = list(piece)
+    return json.dumps(meta).encode()
 
 
 def free_slot(slots: list[Slot], committed: int | None, abandoned: list[int]) -> Slot | None:

@@ -130,12 +130,12 @@ def test_changed_metadata_breaks_intact():
 
 def test_checksum_covers_meta_and_data():
     data = torch.arange(16, dtype=torch.uint8)
-    base = checksum(b"m", data)
-    assert base == checksum(b"m", data.clone())
-    assert base != checksum(b"n", data)
+    base = checksum(b'{"m": 1}', data)
+    assert base == checksum(b'{"m": 1}', data.clone())
+    assert base != checksum(b'{"m": 2}', data)
     changed = data.clone()
     changed[3] += 1
-    assert base != checksum(b"m", changed)
+    assert base != checksum(b'{"m": 1}', changed)
 
 
 # ---- tensors() ------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_make_meta_is_json():
     meta = json.loads(make_meta(9, flat.skeleton, layout, flat.numpy, flat.cuda, flat.stable, True))
     assert meta == {"step": 9, "skeleton": flat.skeleton, "tensors": [["float32", [2], 0, 8], ["float64", [1], 64, 8]],
                     "numpy": [False, True], "cuda": [False, False], "stable": [False, False], "replicated": True,
-                    "nbytes": 128}
+                    "nbytes": 128, "lead": 0}
 
 
 def test_tensors_round_trip_through_a_slot():
