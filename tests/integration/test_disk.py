@@ -114,23 +114,32 @@ def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_pat
     assert done.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
 
 
-def test_resuming_from_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_path):
-    """A checkpoint of two ranks does not fit a job of four (the launcher refuses it), nor a model of other shapes
-    (the ranks refuse it, before they load it): exit 2, one line naming the difference, the checkpoint untouched."""
+def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_workers_goes_on(tmp_path):
+    """A checkpoint of two data-parallel workers: another --seed is refused by the launcher, a model of other shapes
+    by the ranks before they load it (exit 2, one line naming the difference, the checkpoint untouched); three
+    workers resume it: each loads the shared parameters and optimizer state, rank 2 rank 0's own state, and the
+    data goes on from the same position with no sample lost or seen twice."""
     persist = tmp_path / "ckpt"
-    job = run_job(tmp_path / "first", steps=2, workers=2, spares=0, persist_dir=str(persist), persist_every=1)
-    assert job.code == 0 and job.summary["checkpoints"]
+    first = run_job(tmp_path / "first", steps=2, workers=2, spares=0, persist_dir=str(persist), persist_every=1)
+    assert first.code == 0 and first.summary["checkpoints"]
     before = {p: p.stat().st_mtime_ns for p in persist.rglob("*")}
     narrower = tuple("32" if a == "64" else a for a in SMALL)  # --n-embd 32
-    for workers, model, says in (("4", SMALL, r"world size 2 in the checkpoint, 4 now"),
-                                 ("2", narrower, r"it holds the state of another job \(model\.\S+ has shape "
-                                                 r"\[(\d+, )*64\] in the checkpoint, \[(\d+, )*32\] now")):
-        out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", workers, "--resume",
-                              "auto", "--persist-dir", str(persist), "--out", str(tmp_path / f"second-{workers}"),
-                              str(TRAIN), "--steps", "4", *model], cwd=REPO, capture_output=True, text=True, timeout=60)
+    for args, says in ((("--seed", "7", str(TRAIN), "--steps", "4", *SMALL), r"written by another script or --seed"),
+                       ((str(TRAIN), "--steps", "4", *narrower), r"it holds the state of another job \(model\.\S+ "
+                        r"has shape \[(\d+, )*64\] in the checkpoint, \[(\d+, )*32\] now")):
+        out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "2", "--resume",
+                              "auto", "--persist-dir", str(persist), "--out", str(tmp_path / "refused"), *args],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
         err = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(err) == 1 and re.search(says, err[0]), err
         assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
+    wider = run_job(tmp_path / "wider", steps=4, workers=3, spares=0, persist_dir=str(persist), resume="auto")
+    assert wider.code == 0, wider.summary["error"]
+    assert first.summary["checkpoints"][-1]["step"] == wider.summary["resumed_from"]["step"] == 2
+    assert sorted(e["rank"] for e in wider.named("resumed_from_disk")) == [0, 1, 2]
+    assert {e["step"] for e in wider.named("step")} == {3, 4}  # steps 1 and 2 are not run again
+    seen = [i for _, samples in sorted(first.batches().items()) + sorted(wider.batches().items()) for i in samples]
+    assert len(seen) == 2 * 2 * 4 + 2 * 3 * 4 and len(set(seen)) == len(seen)  # nothing lost, nothing twice
 
 
 def test_with_no_spare_left_the_newest_commit_is_persisted_and_the_command_to_go_on_printed(tmp_path):

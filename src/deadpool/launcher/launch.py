@@ -21,7 +21,7 @@ from deadpool.events import EventLog
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
-from deadpool.launcher.resume import discard_newer, on_sigterm, resolve
+from deadpool.launcher.resume import discard_newer, on_sigterm, reshard_note, resolve
 from deadpool.protocol.keys import CONFIG_KEY, Keys
 from deadpool.protocol.nodes import NodeHello
 from deadpool.protocol.plane import ControlPlane
@@ -131,6 +131,9 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
             print(f"[deadpool] skipped checkpoint {p}: {why}", file=sys.stderr, flush=True)
         if echo is not None:
             print(f"[deadpool] resuming from {path} (step {step})", file=echo, flush=True)
+        note = reshard_note(json.loads((path / "manifest.json").read_text()), config)
+        if note is not None:
+            print(f"[deadpool] note: {note}", file=sys.stderr, flush=True)
     network = Network(config.nodes).create() if config.netns else None
     secret = read_secret(config.secret_file) if config.secret_file else new_secret()
     store, events = None, None

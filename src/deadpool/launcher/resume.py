@@ -51,13 +51,24 @@ def resolve(config: JobConfig, skipped: Callable[[Path, str], None]) -> tuple[Pa
 
 def misfits(manifest: dict, config: JobConfig) -> str | None:
     """What the launcher can tell of a checkpoint that does not fit the job (the ranks check the shapes when they
-    load it): the world size, and the config it was written under."""
+    load it): the config it was written under, and another world size for sharded (FSDP) state."""
     diffs = []
-    if manifest["world_size"] != config.workers:
-        diffs.append(f"world size {manifest['world_size']} in the checkpoint, {config.workers} now (--workers)")
+    if manifest["world_size"] != config.workers and manifest["identity"]["parallelism"] != "replicated":
+        diffs.append(f"world size {manifest['world_size']} in the checkpoint, {config.workers} now (--workers): "
+                     "a sharded (FSDP) checkpoint resumes on as many workers as wrote it")
     if manifest["identity"]["config_hash"] != config.config_hash():
         diffs.append("it was written by another script or --seed")
     return "; ".join(diffs) or None
+
+
+def reshard_note(manifest: dict, config: JobConfig) -> str | None:
+    """What a data-parallel job resumed on another number of workers should know (None: the same number)."""
+    saved = manifest["world_size"]
+    if saved == config.workers:
+        return None
+    return (f"the checkpoint was written by {saved} workers, this job has {config.workers}: every rank loads the "
+            f"shared parameters and optimizer state, and rank r the own state (RNGs, data position) of rank "
+            f"r mod {saved}; the run goes on, but not bit for bit as the {saved}-worker job would have")
 
 
 def discard_newer(config: JobConfig, step: int) -> None:

@@ -106,7 +106,7 @@ class StepLoop:
         check_fits(Path(path), member.tree)
         loaded = member.engine.slots[0]
         with member.progress.waiting_for("resume"):
-            step = load_from_disk(Path(path), member.rank, loaded)
+            step = load_from_disk(Path(path), member.rank, loaded, member.world_size)
         try:
             member.restore(step)
         except Exception as error:

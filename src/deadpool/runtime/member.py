@@ -165,7 +165,7 @@ class Member:
         if slot is None:
             slot = self.engine.slots[0]
             path = checkpoint_of(self.ctx.config, step)
-            load_from_disk(path, self.rank, slot)
+            load_from_disk(path, self.rank, slot, self.world_size)
             self.ctx.events.emit("restored_from_disk", step=step, path=str(path))
         skeleton, tensors, numpy_flags = slot.tensors(self.device)
         load_into(self.tree, unflatten(skeleton, tensors, numpy_flags, one_mesh(self.tree)))

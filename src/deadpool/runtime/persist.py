@@ -97,12 +97,30 @@ class Persister:
                 ctx.events.emit("persister_stopped", error=f"{type(error).__name__}: {error}")
 
 
-def load_from_disk(path: Path, rank: int, slot: Slot) -> int:
+def source_rank(manifest: dict, rank: int, world_size: int) -> int:
+    """Whose snapshot in a checkpoint `rank` of a job of `world_size` loads: its own, or, when data-parallel
+    workers of another number wrote it (`--resume` only), rank mod their number: the parameters and optimizer
+    state are every rank's, the own state (RNGs, data position) is that rank's. Sharded state cannot be cut
+    anew this way: CheckpointError."""
+    saved = int(manifest["world_size"])
+    if saved == world_size:
+        return rank
+    if manifest["identity"]["parallelism"] != "replicated":
+        raise CheckpointError(f"the checkpoint holds sharded (FSDP) state of {saved} workers and this job has "
+                              f"{world_size}: resume it on {saved} workers")
+    return rank % saved
+
+
+def load_from_disk(path: Path, rank: int, slot: Slot, world_size: int) -> int:
     """Loads rank's snapshot from checkpoint `path` into `slot` (trusted: the checkpoint's files were checked
     against its manifest); returns its step."""
     from deadpool.disk import read_rank
+    from deadpool.disk.manifest import MANIFEST, read_json
 
-    meta, data = read_rank(path, rank)
+    manifest = read_json(path / MANIFEST)
+    if manifest is None:
+        raise CheckpointError(f"{path} has no readable {MANIFEST}")
+    meta, data = read_rank(path, source_rank(manifest, rank, world_size))
     buffer = slot.reserve(data.numel())
     buffer.copy_(data)
     step = int(json.loads(meta)["step"])

@@ -2,7 +2,10 @@
 
 import pytest
 
-from deadpool.launcher.resume import resume_command
+from deadpool.config import JobConfig
+from deadpool.errors import CheckpointError
+from deadpool.launcher.resume import misfits, reshard_note, resume_command
+from deadpool.runtime.persist import source_rank
 
 
 @pytest.mark.parametrize("argv, command", [
@@ -15,3 +18,30 @@ from deadpool.launcher.resume import resume_command
 ])
 def test_the_same_command_with_resume_auto_in_place_of_any_earlier_resume(argv, command):
     assert resume_command(argv) == command
+
+
+def _manifest(world_size: int, parallelism: str, config: JobConfig) -> dict:
+    return {"world_size": world_size, "identity": {"parallelism": parallelism, "config_hash": config.config_hash()}}
+
+
+def test_a_data_parallel_checkpoint_resumes_on_another_number_of_workers() -> None:
+    config = JobConfig(script="train.py", run_dir="run", workers=3)
+    manifest = _manifest(2, "replicated", config)
+    assert misfits(manifest, config) is None
+    assert "rank r mod 2" in (reshard_note(manifest, config) or "")
+    assert [source_rank(manifest, r, 3) for r in range(3)] == [0, 1, 0]
+    assert reshard_note(_manifest(3, "replicated", config), config) is None
+
+
+def test_a_sharded_checkpoint_resumes_only_on_as_many_workers() -> None:
+    config = JobConfig(script="train.py", run_dir="run", workers=3)
+    manifest = _manifest(2, "sharded", config)
+    assert "world size 2 in the checkpoint, 3 now" in (misfits(manifest, config) or "")
+    with pytest.raises(CheckpointError, match="resume it on 2 workers"):
+        source_rank(manifest, 0, 3)
+    assert source_rank(_manifest(3, "sharded", config), 2, 3) == 2
+
+
+def test_another_seed_is_refused() -> None:
+    manifest = _manifest(2, "replicated", JobConfig(script="train.py", run_dir="run", workers=2, seed=7))
+    assert "another script or --seed" in (misfits(manifest, JobConfig(script="train.py", run_dir="run", workers=2)) or "")
