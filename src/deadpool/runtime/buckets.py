@@ -74,6 +74,9 @@ class Reducer:
         self.bucket_of = {index: b for b, members in enumerate(layout) for index in members}
         self.world_size = 1  # set by DataParallel.attach: the divisor
         self.current: _Pass | None = None
+        # one flat tensor per bucket, made at its first launch and reused by every pass after (as DDP keeps its
+        # buckets): a fresh one each pass cost a page fault per 4 KiB of gradients, about as much as the copy
+        self.flats: list[torch.Tensor | None] = [None] * len(layout)
 
     def ready(self, index: int) -> None:
         """Parameter `index` has its gradient for this pass: launches every bucket now complete, in order."""
@@ -87,29 +90,37 @@ class Reducer:
             self._launch(now)
 
     def forget(self) -> None:
-        """Drops a pass in flight (its generation is over: its works belong to an abandoned group)."""
+        """Drops a pass in flight (its generation is over: its works belong to an abandoned group), and the
+        buckets with it: an abandoned all-reduce may still write into them, so the next pass gets new ones."""
         self.current = None
+        self.flats = [None] * len(self.layout)
 
     def _launch(self, now: _Pass) -> None:
         """The next bucket: each gradient multiplied by 1 / world size while it is copied in (DDP's arithmetic,
         the same single rounding as DDP's `mul_out` into its bucket view), then an async sum."""
-        members = self.layout[len(now.launched)]
-        first = self.params[members[0]]
-        flat = torch.empty(sum(self.params[i].numel() for i in members), dtype=first.dtype, device=first.device)
+        b = len(now.launched)
+        members = self.layout[b]
+        flat = self.flats[b]
+        if flat is None:
+            first = self.params[members[0]]
+            flat = self.flats[b] = torch.empty(sum(self.params[i].numel() for i in members), dtype=first.dtype,
+                                               device=first.device)
         offset, scale = 0, 1.0 / self.world_size
         for i in members:
             param = self.params[i]
             view = flat[offset: offset + param.numel()].view_as(param)
             if param.grad is None:  # unused in this pass: counts as zero, as in the one-shot reduction before
                 view.zero_()
-            else:
+            else:  # the gradient may be this very view (zero_grad(set_to_none=False)): scaled in place then
                 torch.mul(param.grad, scale, out=view)
             offset += param.numel()
         now.launched.append((self.all_reduce(flat), flat))
 
     def _end_of_pass(self) -> None:
         """Autograd's last callback of the pass: the buckets still waiting (missing gradients) go now, in order;
-        once all are reduced, each parameter's gradient becomes its view of its bucket."""
+        once all are reduced, each parameter's gradient becomes its view of its bucket (DDP's
+        gradient_as_bucket_view: the next pass reduces into the same bucket, so keep no gradient across passes
+        that you do not want overwritten)."""
         now = self.current
         if now is None:  # forgotten meanwhile
             return

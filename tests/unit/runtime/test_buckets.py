@@ -125,3 +125,34 @@ def test_a_pass_cut_short_by_an_exception_does_not_swallow_the_next_one():
         p.grad = None
     net(torch.randn(4, 8)).square().sum().backward()  # a new pass: all three buckets, and the end-of-pass wait
     assert len(recorder.launches) == 5 and recorder.waited == [3]
+
+
+def test_buckets_are_reused_pass_after_pass_and_made_anew_after_forget():
+    """Each pass reduces into the same bucket tensors (no fresh memory per step), with the same bits whether
+    the script drops its gradients between passes or zeroes them in place (then they are the buckets' views);
+    after `forget` (an abandoned generation, whose all-reduces may still write) the buckets are new."""
+    x = torch.randn(4, 8)
+    results = []
+    for set_to_none in (True, False):
+        net, params, reducer, recorder = _model(True, True, True)
+        for _ in range(3):
+            for p in params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+            net(x).square().sum().backward()
+        first_pass, last_pass = recorder.launches[:3], recorder.launches[-3:]
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first_pass, last_pass))
+        flats = [f for f in reducer.flats if f is not None]
+        assert len(flats) == 3 and all(p.grad.untyped_storage().data_ptr() in
+                                       {f.untyped_storage().data_ptr() for f in flats} for p in params)
+        results.append(torch.cat([p.grad.reshape(-1) for p in params]).clone())
+        reducer.forget()
+        assert reducer.flats == [None, None, None]
+        for p in params:
+            p.grad = None
+        net(x).square().sum().backward()
+        assert all(f is not None and f.untyped_storage().data_ptr() not in {g.untyped_storage().data_ptr()
+                                                                           for g in flats} for f in reducer.flats)
+    assert torch.equal(results[0], results[1])
