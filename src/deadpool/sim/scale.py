@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from deadpool.coordinator.hangs import hang_timeout
 from deadpool.sim.model import require
@@ -61,7 +61,7 @@ class SwapCoefficients:
     restore_bytes_per_s: float
     pod_gpus: float
     pod_oversubscription: float
-    marks: Mapping[str, str] = field(default_factory=dict)
+    marks: Mapping[str, str]
 
     def __post_init__(self) -> None:
         for name in ("exit_notice_s", "decide_s", "report_s", "report_per_rank_s", "rebuild_s",
