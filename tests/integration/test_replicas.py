@@ -70,3 +70,5 @@ def test_a_recovery_whose_holders_all_stay_valid_resends_nothing(tmp_path, refer
     assert [p["holders"] for p in plans] == [[["s0"], ["s1"], ["s0"], ["s1"]]] + [[["s0"], ["w2"], ["s0"], ["s0"]]] * 2
     resent = sorted((e["gen"], e["rank"], e["holders"]) for e in job.named("snapshot_resent"))
     assert resent == [(1, 1, ["w2"]), (1, 3, ["s0"])]  # placed anew by rotation, generation 2 had resent rank 2's
+    snapshot = max(e["bytes"] for e in job.named("snapshot"))  # each resend timed, for scripts/bench_sim_fit.py
+    assert all(e["bytes"] == snapshot and e["send_s"] > 0 for e in job.named("snapshot_resent"))

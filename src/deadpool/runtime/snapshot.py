@@ -288,12 +288,14 @@ class _Run:
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
     def _resend(self, job: _Resend, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
-        slot = self.engine.slot_for(job.step)
+        slot, start = self.engine.slot_for(job.step), time.monotonic()
         for holder in job.holders:
             self._replicate(slot, holder, store, senders)
+        send_s = time.monotonic() - start  # connecting to the new holders and streaming: a swap's transfer
         self.durable.add(job.step)
         self._report(plane)
-        self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders))
+        self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders), bytes=slot.nbytes,
+                             send_s=send_s)
 
     def _reserve(self, job: _Job, plane: ControlPlane) -> Slot | None:
         """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from deadpool.sim import scale
+from deadpool.sim.fit import read_fit
 from deadpool.sim.model import (
     DAY,
     HOUR,
@@ -39,10 +40,19 @@ _FLAGS = {"--gpus-per-node": ("gpus_per_node", int, "GPUs per node (a failure ta
           "--spare-replenish-s": ("spare_replenish_s", float, "until a used spare, or a dropped node, is back"),
           "--reconfig-s": ("reconfig_s", float, "replica dropping: quorum + communicator rebuild per failure"),
           "--replica-group-nodes": ("replica_group_nodes", int, "replica dropping: nodes per replica group")}
-# The hot-swap phases, as a run's summary.json names them; with transfer (which a run counts in its report),
-# those of the cost model (sim/scale.py). Each gets a --{phase}-s flag.
+# The hot-swap phases, as a run's summary.json names them; with transfer (which a run counts in its report) and
+# resend (in its rebuild), those of the cost model (sim/scale.py). Each gets a --{phase}-s flag.
 PHASES = ("detect", "decide", "report", "rebuild", "restore")
-SWAP_PHASES = ("detect", "decide", "report", "rebuild", "transfer", "restore")
+SWAP_PHASES = ("detect", "decide", "report", "rebuild", "transfer", "resend", "restore")
+# The coefficients each phase of the cost model is priced with (its marks are theirs)
+PHASE_COEFFICIENTS = {"detect": ("exit_notice_s",), "decide": ("decide_s",),
+                      "report": ("report_s", "report_per_rank_s"),
+                      "rebuild": ("rebuild_s", "rebuild_per_doubling_s", "rebuild_per_rank_s"),
+                      "transfer": ("transfer_s", "link_bytes_per_s"),
+                      "resend": ("transfer_s", "link_bytes_per_s", "pod_gpus", "pod_oversubscription"),
+                      "restore": ("restore_bytes_per_s",)}
+_UNITS = {"report_per_rank_s": "s/rank", "rebuild_per_doubling_s": "s/doubling", "rebuild_per_rank_s": "s/rank",
+          "link_bytes_per_s": "B/s", "restore_bytes_per_s": "B/s", "pod_gpus": "GPUs", "pod_oversubscription": "x"}
 DEFAULT_COSTS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -60,7 +70,8 @@ def measured_phases(run_dirs: list[Path]) -> dict[str, float]:
         if not found:
             raise ValueError(f"--phases-from: {path} records no recovery; inject a failure (deadpool demo) first")
         recoveries += found
-    return {phase: statistics.median(r[f"{phase}_s"] for r in recoveries) for phase in PHASES} | {"transfer": 0.0}
+    return {phase: statistics.median(r[f"{phase}_s"] for r in recoveries) for phase in PHASES} | {"transfer": 0.0,
+                                                                                                 "resend": 0.0}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,6 +86,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, type=kind, default=_DEFAULTS[field], help=text + shown)
     p.add_argument("--swap-model", choices=sorted(scale.SWAP_MODELS), default="nccl-shrink",
                    help="coefficients that price the hot-swap phases at each size (default: nccl-shrink)")
+    p.add_argument("--fit", type=Path, default=None, metavar="FILE",
+                   help="price the phases with the coefficients of this fit (scripts/bench_sim_fit.py's sim_fit.json; "
+                        "default: the fit of 2026-12-02 in sim/scale.py)")
     p.add_argument("--node-state-gb", type=float, default=scale.DEFAULT_NODE_STATE_BYTES / 1e9,
                    help="state of one node that its spare takes over, GB (default: 14.2, a 65B model on 64 nodes)")
     p.add_argument("--hang-fraction", type=float, default=0.0,
@@ -94,31 +108,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="directory to write simulate.json into")
 
 
-def swap_phases(args: argparse.Namespace, gpus: int, measured: dict[str, float], hang_fraction: float
-                ) -> dict[str, float]:
+def coefficients(args: argparse.Namespace) -> scale.SwapCoefficients:
+    """The --swap-model's coefficients, from --fit's file if given."""
+    models = scale.swap_models(read_fit(args.fit)) if args.fit else scale.SWAP_MODELS
+    return models[args.swap_model]
+
+
+def swap_phases(args: argparse.Namespace, model: scale.SwapCoefficients, gpus: int, measured: dict[str, float],
+                hang_fraction: float, sticky: bool = True) -> dict[str, float]:
     """The hot-swap phase costs at one size: a flag given beats a measured run (--phases-from) beats the
     --swap-model."""
-    model = scale.swap_phases(scale.SWAP_MODELS[args.swap_model], ranks=gpus, ranks_per_node=args.gpus_per_node,
-                              node_state_bytes=args.node_state_gb * 1e9, step_s=args.step_s,
-                              hang_fraction=hang_fraction)
+    priced = scale.swap_phases(model, ranks=gpus, ranks_per_node=args.gpus_per_node,
+                               node_state_bytes=args.node_state_gb * 1e9, step_s=args.step_s,
+                               hang_fraction=hang_fraction, sticky=sticky)
     return {f"{phase}_s": float(next(v for v in (getattr(args, f"{phase}_s"), measured.get(phase),
-                                                 model[f"{phase}_s"]) if v is not None)) for phase in SWAP_PHASES}
+                                                 priced[f"{phase}_s"]) if v is not None)) for phase in SWAP_PHASES}
 
 
-def _evaluate(args: argparse.Namespace, gpus: int, measured: dict[str, float]) -> dict:
+def _evaluate(args: argparse.Namespace, model: scale.SwapCoefficients, gpus: int, measured: dict[str, float]) -> dict:
     """Everything reported for one cluster size, JSON-ready."""
-    def phases(hang_fraction: float) -> dict[str, Any]:
-        return swap_phases(args, gpus, measured, hang_fraction)
+    def phases(hang_fraction: float, sticky: bool = True) -> dict[str, Any]:
+        return swap_phases(args, model, gpus, measured, hang_fraction, sticky)
 
     fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _FLAGS.items()}
     base = ClusterParams(gpus=gpus, spares=args.spares or 0, **fields, **phases(args.hang_fraction))
     needed = spares_needed(base, args.stall_target)
     p = dataclasses.replace(base, spares=needed if args.spares is None else args.spares)
     crash, hang = (dataclasses.replace(p, **phases(fraction)).swap_s for fraction in (0.0, 1.0))
+    anew = dataclasses.replace(p, **phases(args.hang_fraction, sticky=False))
     mc = simulate(p, days=args.days, runs=args.runs, seed=args.seed)
     priced = [dataclasses.replace(p, swap_cost_s=cost) for cost in args.costs]
     return {"gpus": gpus, "params": dataclasses.asdict(p), "mttf_h": p.mttf_s / HOUR, "ckpt_interval_s": p.interval_s,
             "swap_s": p.swap_s, "swap_s_crash": crash, "swap_s_hang": hang, "analytic": analytic_goodput(p),
+            "placed_anew": {"resend_s": anew.resend_s, "swap_s": anew.swap_s, "hot_swap": hot_swap_goodput(anew)},
             "monte_carlo": {name: dataclasses.asdict(mc.goodput[name]) for name in STRATEGIES},
             "failures_per_day": p.failure_rate * DAY, "spare_load_erlangs": spare_load(p),
             "spares_needed": needed, "stalls_per_day_needed": stalls_per_day(dataclasses.replace(p, spares=needed)),
@@ -131,14 +153,51 @@ def _evaluate(args: argparse.Namespace, gpus: int, measured: dict[str, float]) -
             "mc_stall_days": dataclasses.asdict(mc.stall_days), "mc_failures": mc.failures, "mc_days": mc.days}
 
 
-def _phase_table(rows: list[dict]) -> str:
+def phase_marks(args: argparse.Namespace, model: scale.SwapCoefficients, measured: dict[str, float]) -> dict[str, str]:
+    """Where each phase's cost comes from: a flag, a run (--phases-from), or the marks of the model's
+    coefficients that price it (m: measured, f: fitted, p: published, a: assumed; the hang timeout of detect
+    is the coordinator's own policy)."""
+    found = {}
+    for phase in SWAP_PHASES:
+        if getattr(args, f"{phase}_s") is not None:
+            found[phase] = "flag"
+        elif phase in measured:
+            found[phase] = "run"
+        else:
+            found[phase] = "+".join(dict.fromkeys(model.marks[name][0] for name in PHASE_COEFFICIENTS[phase]))
+    return found
+
+
+def _coefficient_table(c: scale.SwapCoefficients) -> str:
+    lines = ["Coefficients of the swap model (measured: read off our runs; fitted: least squares over our runs; "
+             "published: from a publication; assumed: no measurement)"]
+    for name in scale.COEFFICIENTS:
+        lines.append(f"  {name:<24} {getattr(c, name):>12.4g} {_UNITS.get(name, 's'):<10} {c.marks[name]}")
+    return "\n".join(lines)
+
+
+def _phase_table(rows: list[dict], marks: dict[str, str]) -> str:
     head = (f"{'GPUs':>7} " + " ".join(f"{phase:>8}" for phase in SWAP_PHASES)
             + f" {'half step':>9} {'per failure':>11} {'crash only':>10} {'hang only':>9}")
-    lines = ["Hot swap per failure, by phase (s)", head]
+    lines = ["Hot swap per failure, by phase (s); the sticky placement of replicas", head,
+             f"{'from':>7} " + " ".join(f"{marks[phase]:>8}" for phase in SWAP_PHASES)]
     for r in rows:
         phases = " ".join(f"{r['params'][phase + '_s']:>8.3f}" for phase in SWAP_PHASES)
         lines.append(f"{r['gpus']:>7} {phases} {r['params']['step_s'] / 2:>9.3f} {r['swap_s']:>11.2f} "
                      f"{r['swap_s_crash']:>10.2f} {r['swap_s_hang']:>9.2f}")
+    return "\n".join(lines)
+
+
+def _sticky_table(rows: list[dict]) -> str:
+    lines = ["Sticky placement against placing anew (closed form, at the spares simulated): a swap resends the "
+             "lost node's orphans, or every node resends at once through the fabric",
+             f"{'GPUs':>7} {'resend sticky':>13} {'resend anew':>11} {'per failure sticky':>18} "
+             f"{'per failure anew':>16} {'hot swap sticky':>15} {'hot swap anew':>13} {'replica dropping':>16}"]
+    for r in rows:
+        anew = r["placed_anew"]
+        lines.append(f"{r['gpus']:>7} {r['params']['resend_s']:>13.2f} {anew['resend_s']:>11.2f} {r['swap_s']:>18.2f} "
+                     f"{anew['swap_s']:>16.2f} {r['analytic']['hot_swap']:>15.4f} {anew['hot_swap']:>13.4f} "
+                     f"{r['analytic']['replica_drop']:>16.4f}")
     return "\n".join(lines)
 
 
@@ -184,11 +243,11 @@ def _sensitivity_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _pricing(args: argparse.Namespace) -> str:
+def _pricing(args: argparse.Namespace, model: scale.SwapCoefficients) -> str:
     """Where the hot-swap phases came from, in a sentence."""
-    model = scale.SWAP_MODELS[args.swap_model]
-    parts = [f"the {args.swap_model} model ({model.source}) at each size, {args.node_state_gb:.3g} GB of state per "
-             f"node, {args.hang_fraction:.0%} of failures hangs"]
+    fit = f"the fit in {args.fit}" if args.fit else "the fit of 2026-12-02"
+    parts = [f"the {args.swap_model} model ({model.source}; {fit}) at each size, "
+             f"{args.node_state_gb:.3g} GB of state per node, {args.hang_fraction:.0%} of failures hangs"]
     if args.phases_from:
         parts.append(f"phases measured in {' '.join(map(str, args.phases_from))} (as measured, at every size)")
     flagged = [phase for phase in SWAP_PHASES if getattr(args, f"{phase}_s") is not None]
@@ -204,7 +263,9 @@ def main(args: argparse.Namespace) -> int:
         for cost in args.costs:
             require("--costs", cost, zero_ok=True)
         measured = measured_phases(args.phases_from) if args.phases_from else {}
-        rows = [_evaluate(args, gpus, measured) for gpus in (args.gpus or DEFAULT_GPUS)]
+        model = coefficients(args)
+        rows = [_evaluate(args, model, gpus, measured) for gpus in (args.gpus or DEFAULT_GPUS)]
+        marks = phase_marks(args, model, measured)
     except ValueError as error:
         print(f"deadpool simulate: error: {error}", file=sys.stderr)
         return 2
@@ -213,14 +274,17 @@ def main(args: argparse.Namespace) -> int:
     print(f"{args.runs} Monte Carlo runs of {args.days:g} days per size, seed {args.seed}. Each GPU fails at "
           f"{1 / (1024 * mttf_h):.3g} per hour (a node of {first['gpus_per_node']} every "
           f"{1024 / first['gpus_per_node'] * mttf_h / 24:.0f} days; job MTTF {mttf_h:g} h at 1,024 GPUs). "
-          f"Hot swap priced by {_pricing(args)}; checkpoint-restart {first['ckpt_cost_s']:g} s per "
+          f"Hot swap priced by {_pricing(args, model)}; checkpoint-restart {first['ckpt_cost_s']:g} s per "
           f"checkpoint, restart {first['restart_s']:g} s; replica dropping {first['reconfig_s']:g} s + half a step "
           "per failure.\n")
-    print("\n\n".join([_phase_table(rows), _goodput_table(rows), _spares_table(rows, args.stall_target),
-                       _sensitivity_table(rows)]))
+    print("\n\n".join([_coefficient_table(model), _phase_table(rows, marks), _sticky_table(rows),
+                       _goodput_table(rows), _spares_table(rows, args.stall_target), _sensitivity_table(rows)]))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if not callable(v)}
-        (args.out / "simulate.json").write_text(json.dumps({"args": settings, "sizes": rows}, indent=2, default=str))
+        priced = {"source": model.source, "coefficients": {name: getattr(model, name) for name in scale.COEFFICIENTS},
+                  "marks": dict(model.marks), "phase_marks": marks}
+        (args.out / "simulate.json").write_text(json.dumps({"args": settings, "swap_model": priced, "sizes": rows},
+                                                           indent=2, default=str))
         print(f"\nwrote {args.out / 'simulate.json'}")
     return 0

@@ -22,7 +22,7 @@ Strategies (a failure stops the whole synchronous job unless said otherwise):
   u = 1 / (1 + g lambda_node D) of the time (exact); counted failures arrive at about lambda u, and a moment
   is stall-free when none arrived in the last s seconds: goodput ~= u exp(-lambda u s), off by O(1 / groups).
 - hot_swap with S spares: a failure that finds an idle spare costs the recovery phases h (detect + decide +
-  report + rebuild + transfer + restore + replay of half a step; sim/scale.py prices them in the world size
+  report + rebuild + transfer + resend + restore + replay of half a step; sim/scale.py prices them in the world size
   and the state size) and holds that spare for spare_replenish_s; one that
   finds none falls back to a restart from the disk tier, which is persisted every T s in the background (no
   stall), i.e. checkpoint_restart with C = 0. Closed form: with B the blocking probability below, swaps come at
@@ -77,6 +77,7 @@ class ClusterParams:
     report_s: float = 0.08                 # with sim/scale.py instead, and --phases-from takes your own
     rebuild_s: float = 0.12
     transfer_s: float = 0.0                # replicas streamed to the spare: none when it holds them already
+    resend_s: float = 0.0                  # restored snapshots sent to holders placed anew: none when all stay
     restore_s: float = 0.02
     swap_cost_s: float | None = None       # the whole cost of a swap, to price one directly; None: swap_s below
     ckpt_interval_s: float | None = None   # work between checkpoints; None: Young/Daly
@@ -102,8 +103,8 @@ class ClusterParams:
         for name in ("ckpt_interval_s", "swap_cost_s"):
             if getattr(self, name) is not None:
                 require(name, getattr(self, name), zero_ok=name == "swap_cost_s")
-        for name in ("detect_s", "decide_s", "report_s", "rebuild_s", "transfer_s", "restore_s", "ckpt_cost_s",
-                     "restart_s", "reconfig_s"):
+        for name in ("detect_s", "decide_s", "report_s", "rebuild_s", "transfer_s", "resend_s", "restore_s",
+                     "ckpt_cost_s", "restart_s", "reconfig_s"):
             require(name, getattr(self, name), zero_ok=True)
 
     @property
@@ -136,8 +137,8 @@ class ClusterParams:
         step on average."""
         if self.swap_cost_s is not None:
             return self.swap_cost_s
-        return (self.detect_s + self.decide_s + self.report_s + self.rebuild_s + self.transfer_s + self.restore_s
-                + self.step_s / 2)
+        return (self.detect_s + self.decide_s + self.report_s + self.rebuild_s + self.transfer_s + self.resend_s
+                + self.restore_s + self.step_s / 2)
 
     @property
     def drop_stall_s(self) -> float:

@@ -289,18 +289,21 @@ def test_phases_from_runs_are_medians_over_all_their_recoveries_and_a_flag_beats
     write_summary(tmp_path / "two", phases[1:])
     measured = cli.measured_phases([tmp_path / "one", tmp_path / "two"])
     args = parse(["--rebuild-s", "0.25"])
-    assert cli.swap_phases(args, 100000, measured, 0.0) == {"detect_s": 0.07, "decide_s": 0.001, "report_s": 0.4,
-                                                            "rebuild_s": 0.25, "transfer_s": 0.0, "restore_s": 0.02}
+    assert cli.swap_phases(args, cli.coefficients(args), 100000, measured, 0.0) == {
+        "detect_s": 0.07, "decide_s": 0.001, "report_s": 0.4, "rebuild_s": 0.25, "transfer_s": 0.0, "resend_s": 0.0,
+        "restore_s": 0.02}
 
 
 def test_phases_default_to_the_swap_model_at_each_size():
+    shrink, gloo_model = scale.SWAP_MODELS["nccl-shrink"], scale.SWAP_MODELS["gloo-here"]
     for gpus in (1024, 100000):
-        assert cli.swap_phases(parse([]), gpus, {}, 0.5) == scale.swap_phases(
-            scale.NCCL_SHRINK, ranks=gpus, ranks_per_node=8, node_state_bytes=scale.DEFAULT_NODE_STATE_BYTES,
+        assert cli.swap_phases(parse([]), shrink, gpus, {}, 0.5) == scale.swap_phases(
+            shrink, ranks=gpus, ranks_per_node=8, node_state_bytes=scale.DEFAULT_NODE_STATE_BYTES,
             step_s=5.0, hang_fraction=0.5)
-    gloo = cli.swap_phases(parse(["--swap-model", "gloo-here", "--node-state-gb", "2"]), 64, {}, 0.0)
-    assert gloo["rebuild_s"] == scale.rebuild_s(scale.GLOO_HERE, 64)
-    assert gloo["transfer_s"] == 2e9 / scale.GLOO_HERE.link_bytes_per_s
+    args = parse(["--swap-model", "gloo-here", "--node-state-gb", "2"])
+    gloo = cli.swap_phases(args, cli.coefficients(args), 64, {}, 0.0)
+    assert gloo["rebuild_s"] == scale.rebuild_s(gloo_model, 64)
+    assert gloo["transfer_s"] == gloo_model.transfer_s + 2 * 2e9 / gloo_model.link_bytes_per_s
 
 
 def test_command_prices_each_size_and_tabulates_the_costs_given(tmp_path, capsys):
@@ -313,7 +316,8 @@ def test_command_prices_each_size_and_tabulates_the_costs_given(tmp_path, capsys
     for size in (small, large):
         p = size["params"]
         assert size["swap_s"] == pytest.approx(0.9 * size["swap_s_crash"] + 0.1 * size["swap_s_hang"])
-        assert size["swap_s_hang"] - size["swap_s_crash"] == pytest.approx(40.0 - 0.054)
+        assert size["swap_s_hang"] - size["swap_s_crash"] == pytest.approx(
+            40.0 - scale.SWAP_MODELS["nccl-shrink"].exit_notice_s)
         assert [s["swap_s"] for s in size["sensitivity"]] == [1.0, 120.0]
         assert size["sensitivity"][0]["goodput"] > size["sensitivity"][1]["goodput"]
         assert size["sensitivity"][1]["goodput"] == pytest.approx(
