@@ -24,7 +24,8 @@ from deadpool.runtime.state import Layout
 
 
 def private_key(rank: int, index: int) -> str:
-    """The key of tensor `index` of `rank`: every tensor a checkpoint holds can be read whole by this key."""
+    """The key of tensor `index` of `rank`: every tensor a checkpoint holds of a rank can be read whole by this
+    key, but the stable tensors of a rank that wrote a slice (read whole by their global fqn)."""
     return f"_deadpool/rank{rank}/t{index}"
 
 
@@ -38,8 +39,9 @@ Path = tuple[str, ...]
 @dataclass(frozen=True)
 class Chunk:
     """One stored tensor of a rank: the piece of global tensor `fqn` at `offsets` (a whole tensor: all 0), or
-    the rank's own tensor when `fqn` is its private key. It can always be read whole by `key` (the private
-    key). `paths`: the state-tree paths of the global tensor, the first one `fqn`'s, the others tied aliases."""
+    the rank's own tensor when `fqn` is its private key. It can be read whole by `key` (the private key),
+    but `sliced` rows (of a stable tensor the rank holds a piece of), which the key names in the rank's part
+    only. `paths`: the state-tree paths of the global tensor, the first one `fqn`'s, the others tied aliases."""
 
     fqn: str
     global_shape: tuple[int, ...]
@@ -47,7 +49,7 @@ class Chunk:
     tensor: torch.Tensor
     key: str
     paths: tuple[Path, ...] = ()
-    sliced: bool = False  # rows of a replicated tensor: `key` names them in this rank's part only (not the tensor)
+    sliced: bool = False
 
     @property
     def aliases(self) -> tuple[str, ...]:

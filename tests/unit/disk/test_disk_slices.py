@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from deadpool.disk import Identity, chunk_rank, finalize, newest, private_key, read_rank, verify, write_part
 from deadpool.errors import CheckpointError
+from deadpool.runtime.persist import load_from_disk
 from deadpool.runtime.slots import Slot, checksum
 from deadpool.runtime.state import flatten, load_into, state_sha256, unflatten
 
@@ -86,7 +87,7 @@ def test_sliced_chunks_are_views_of_the_rows_in_the_piece_and_nothing_is_shared(
 def test_round_trip_loads_whole_tensors_and_gives_each_rank_its_whole_snapshot(tmp_path, world):
     """dcp.load into plain state dicts gives the replicated state and rank 0's buffers bit for bit; read_rank
     gives each rank exactly the whole slot (metadata without "slice", every byte, zero padding), which
-    restores exactly that rank's state, private tensors included."""
+    restores exactly that rank's state, private tensors included, as a resumed rank loads it."""
     slots, wholes, trees = sliced_slots(world=world)
     path = write_all(tmp_path, slots)
     assert verify(path) is None
@@ -113,7 +114,8 @@ def test_round_trip_loads_whole_tensors_and_gives_each_rank_its_whole_snapshot(t
         meta, buffer = read_rank(path, rank)
         assert meta == wholes[rank].meta and torch.equal(buffer, wholes[rank].data)
         assert checksum(meta, buffer) == wholes[rank].digest
-        restored = Slot(buffer=buffer, step=7, meta=meta, nbytes=buffer.numel())
+        restored = Slot()
+        assert load_from_disk(path, rank, restored) == 7 and restored.digest == wholes[rank].digest
         skeleton, tensors, numpy_flags = restored.tensors(torch.device("cpu"))
         fresh = data_parallel_tree(world + 5, 0)  # another rank's state, then loaded
         load_into(fresh, unflatten(skeleton, tensors, numpy_flags))
