@@ -78,7 +78,7 @@ def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Iden
         owners, records = chosen
         for extra in {p.name for p in tmp.glob("part-*")} - set(records):
             shutil.rmtree(tmp / extra, ignore_errors=True)
-        tables = {r: records[owners[r]]["ranks"][str(r)] for r in owners}
+        tables = {r: records[owners[r]]["ranks"][str(r)] for r in sorted(owners)}
         sliced = _sliced(tables)
         write_durably(tmp / METADATA, pickle.dumps(merge(tmp, owners, records)))
         files = {f"{name}/{f}": entry for name, record in records.items() for f, entry in record["files"].items()}
