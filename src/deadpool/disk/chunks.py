@@ -5,7 +5,10 @@ nested dicts), so a plain model loads its parameters and buffers from a checkpoi
 shards (skeleton "D" nodes on a 1-D mesh over the whole job, torch.chunk layout) are chunks of their global
 tensor at their offsets, from every rank. Under data parallelism (`replicated`) the other ranks' stable
 tensors are bit-identical to rank 0's (checked at commit), so they are not stored again: they are *shared*,
-read back from rank 0's copy. Everything else of rank r is private, under `_deadpool/rank{r}/t{i}`.
+read back from rank 0's copy. A data-parallel slot that holds only its piece of them ("slice", slices.py)
+stores the rows in its piece, as chunks of the global tensors: the N ranks' pieces make every stable tensor
+once, and each is read back whole by its fqn. Everything else of rank r is private, under
+`_deadpool/rank{r}/t{i}`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from typing import Any
 
 import torch
 
+from deadpool.runtime.slices import spans
+from deadpool.runtime.state import Layout
+
 
 def private_key(rank: int, index: int) -> str:
-    """The key of tensor `index` of `rank`: every tensor a checkpoint holds can be read whole by this key."""
+    """The key of tensor `index` of `rank`: every tensor a checkpoint holds of a rank can be read whole by this
+    key, but the stable tensors of a rank that wrote a slice (read whole by their global fqn)."""
     return f"_deadpool/rank{rank}/t{index}"
 
 
@@ -32,8 +39,9 @@ Path = tuple[str, ...]
 @dataclass(frozen=True)
 class Chunk:
     """One stored tensor of a rank: the piece of global tensor `fqn` at `offsets` (a whole tensor: all 0), or
-    the rank's own tensor when `fqn` is its private key. It can always be read whole by `key` (the private
-    key). `paths`: the state-tree paths of the global tensor, the first one `fqn`'s, the others tied aliases."""
+    the rank's own tensor when `fqn` is its private key. It can be read whole by `key` (the private key),
+    but `sliced` rows (of a stable tensor the rank holds a piece of), which the key names in the rank's part
+    only. `paths`: the state-tree paths of the global tensor, the first one `fqn`'s, the others tied aliases."""
 
     fqn: str
     global_shape: tuple[int, ...]
@@ -41,6 +49,7 @@ class Chunk:
     tensor: torch.Tensor
     key: str
     paths: tuple[Path, ...] = ()
+    sliced: bool = False
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -50,7 +59,7 @@ class Chunk:
 @dataclass
 class RankChunks:
     """What one rank's snapshot stores (`chunks`), and its tensors stored by rank 0 instead (`shared`:
-    tensor index -> global fqn)."""
+    tensor index -> global fqn; none when the snapshot holds a slice)."""
 
     rank: int
     chunks: list[Chunk]
@@ -63,6 +72,7 @@ def chunk_rank(meta: bytes, data: torch.Tensor, rank: int, world_size: int) -> R
     parsed = json.loads(meta)
     where = tensor_paths(parsed["skeleton"])
     raw = data.numpy()
+    rows = piece_rows(parsed, rank)
     out = RankChunks(rank, [], {})
     for i, (dtype, shape, offset, n) in enumerate(parsed["tensors"]):
         if i not in where:
@@ -76,7 +86,10 @@ def chunk_rank(meta: bytes, data: torch.Tensor, rank: int, world_size: int) -> R
         if shard is not None and parsed["replicated"]:
             raise ValueError(f"{fqn} is sharded but the snapshot says its stable tensors are replicated (HSDP is "
                              "not supported)")
-        if shard is not None and n:
+        if rows is not None and parsed["stable"][i]:
+            if i in rows:
+                out.chunks.append(_rows_of(fqn, raw[offset: offset + n], dt, tuple(shape), rows[i], key, paths))
+        elif shard is not None and n:
             out.chunks.append(Chunk(fqn, shard[0], shard[1], tensor, key, paths))
         elif shard is None and rank == 0:
             out.chunks.append(Chunk(fqn, tuple(shape), (0,) * len(shape), tensor, key, paths))
@@ -85,6 +98,36 @@ def chunk_rank(meta: bytes, data: torch.Tensor, rank: int, world_size: int) -> R
         else:  # this rank's own: not part of a global tensor (or an empty shard, which adds nothing to it)
             out.chunks.append(Chunk(key, tuple(shape), (0,) * len(shape), tensor, key))
     return out
+
+
+def piece_rows(parsed: dict[str, Any], rank: int) -> dict[int, tuple[int, int]] | None:
+    """Stable tensor index -> (first row, end row) of the rows a sliced snapshot stores: those of its piece
+    (slices.spans), and on rank 0 the empty stable tensors too (in no piece, yet a model may have them). None
+    for a snapshot that holds all its stable tensors."""
+    piece = parsed.get("slice")
+    if piece is None:
+        return None
+    if not parsed["replicated"]:
+        raise ValueError(f"rank {rank}'s snapshot holds a slice but its stable tensors are not replicated")
+    layout = Layout(Layout.from_json(parsed["tensors"], parsed["nbytes"]).specs, parsed["nbytes"], parsed["lead"])
+    rows = {i: (first, end) for i, first, end in spans(layout, piece[0], piece[1])}
+    if rank == 0:
+        rows.update({i: (0, 0) for i, (_, _, _, n) in enumerate(layout.specs) if parsed["stable"][i] and not n})
+    return rows
+
+
+def _rows_of(fqn: str, raw: Any, dtype: torch.dtype, shape: tuple[int, ...], rows: tuple[int, int], key: str,
+             paths: tuple[Path, ...]) -> Chunk:
+    """Rows [first, end) of a stable tensor (`raw`: its bytes) as a chunk of it, owning exactly their bytes
+    (a 0-dim tensor is one row; an empty one is whole)."""
+    first, end = rows
+    if not raw.size:
+        return Chunk(fqn, shape, (0,) * len(shape), torch.empty(shape, dtype=dtype), key, paths, sliced=True)
+    row_bytes = raw.size // (shape[0] if shape else 1)
+    tensor = torch.frombuffer(raw[first * row_bytes: end * row_bytes], dtype=dtype)
+    offsets = (first,) + (0,) * (len(shape) - 1) if shape else ()
+    return Chunk(fqn, shape, offsets, tensor.reshape((end - first, *shape[1:]) if shape else ()), key, paths,
+                 sliced=True)
 
 
 def tensor_paths(skeleton: Any) -> dict[int, list[tuple[Path, dict]]]:

@@ -39,13 +39,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from deadpool.disk.chunks import private_key
 from deadpool.disk.manifest import (
-    FORMAT,
+    FORMATS,
     MANIFEST,
     METADATA,
     PART_JSON,
     Identity,
     file_entry,
     files_reason,
+    format_for,
     fsync_dir,
     listing,
     read_json,
@@ -77,14 +78,15 @@ def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Iden
         owners, records = chosen
         for extra in {p.name for p in tmp.glob("part-*")} - set(records):
             shutil.rmtree(tmp / extra, ignore_errors=True)
+        tables = {r: records[owners[r]]["ranks"][str(r)] for r in sorted(owners)}
+        sliced = _sliced(tables)
         write_durably(tmp / METADATA, pickle.dumps(merge(tmp, owners, records)))
         files = {f"{name}/{f}": entry for name, record in records.items() for f, entry in record["files"].items()}
         files.update({f"{name}/{PART_JSON}": file_entry(tmp / name / PART_JSON) for name in records})
         files[METADATA] = file_entry(tmp / METADATA)
-        ranks = {str(r): {"part": owners[r], **{k: records[owners[r]]["ranks"][str(r)][k]
-                                                for k in ("crc", "nbytes", "meta_bytes")}} for r in owners}
-        manifest = {"format": FORMAT, "step": step, "world_size": world_size, "identity": identity.to_json(),
-                    "ranks": ranks, "files": files, "created": time.time()}
+        ranks = {str(r): {"part": owners[r], **{k: t[k] for k in RANK_KEYS if k in t}} for r, t in tables.items()}
+        manifest = {"format": format_for(sliced), "step": step, "world_size": world_size,
+                    "identity": identity.to_json(), "ranks": ranks, "files": files, "created": time.time()}
         write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         for name in records:
             fsync_dir(tmp / name)
@@ -99,11 +101,36 @@ def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Iden
     return final
 
 
+RANK_KEYS = ("crc", "nbytes", "meta_bytes", "slice", "lead", "slice_hash")  # what read_rank needs, per rank
+
+
+def _sliced(tables: dict[int, dict[str, Any]]) -> bool:
+    """Whether the ranks hold slices (then their pieces must make the lead region exactly once, by their byte
+    ranges: every row of every stable tensor written by one rank); CheckpointError if only some of them do,
+    or the pieces overlap or leave a gap."""
+    pieces = sorted((tuple(t["slice"]), t["lead"], r) for r, t in tables.items() if "slice" in t)
+    if not pieces:
+        return False
+    whole = sorted(set(tables) - {r for _, _, r in pieces})
+    if whole:
+        raise CheckpointError(f"ranks {whole} wrote whole snapshots and the others slices of the replicated state: "
+                              "one checkpoint holds one or the other")
+    end, lead = 0, pieces[0][1]
+    for (start, stop), their_lead, rank in pieces:
+        if start != end or their_lead != lead:
+            raise CheckpointError(f"rank {rank}'s slice {[start, stop]} of a {their_lead}-byte replicated state does "
+                                  f"not follow the others' (bytes {end} of {lead} covered): a row is missing or twice")
+        end = stop
+    if end != lead:
+        raise CheckpointError(f"the slices cover bytes 0-{end} of the {lead}-byte replicated state only")
+    return True
+
+
 def _parts_identity(tmp: Path, step: int) -> Identity | None:
     """The identity of the first part of `step` that has one (a part left by another job is then skipped)."""
     for part in sorted(tmp.glob("part-*")):
         record = read_json(part / PART_JSON)
-        if record is not None and record.get("format") == FORMAT and record.get("step") == step:
+        if record is not None and record.get("format") in FORMATS and record.get("step") == step:
             return Identity.from_json(record["identity"])
     return None
 
@@ -126,9 +153,10 @@ def _choose(tmp: Path, step: int, world_size: int,
 
 
 def merge(tmp: Path, owners: dict[int, str], records: dict[str, dict[str, Any]]) -> Metadata:
-    """One DCP Metadata over all parts: every stored tensor under its private key, each chunk of a global
-    tensor also under its fqn (and tied aliases) at its offsets, and each shared tensor's private key
-    pointing at rank 0's bytes. All entries of one stored tensor point at the same bytes."""
+    """One DCP Metadata over all parts: every stored tensor under its private key (but a slice's rows: they are
+    not a tensor of the rank), each chunk of a global tensor also under its fqn (and tied aliases) at its
+    offsets, and each shared tensor's private key pointing at rank 0's bytes. All entries of one stored tensor
+    point at the same bytes."""
     parts = {name: FileSystemReader(tmp / name).read_metadata() for name in records}
     tensors: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -152,7 +180,8 @@ def merge(tmp: Path, owners: dict[int, str], records: dict[str, dict[str, Any]])
             zeros = (0,) * len(stored.size)
             raw = parts[name].storage_data[MetadataIndex(key, zeros)]
             info = dataclasses.replace(raw, relative_path=f"{name}/{raw.relative_path}")
-            place(key, stored.properties, stored.size, zeros, stored.size, info)
+            if chunk is None or not chunk.get("sliced"):  # a slice's rows are read by their global fqn only
+                place(key, stored.properties, stored.size, zeros, stored.size, info)
             for path in [] if chunk is None or chunk["fqn"] == key else chunk["paths"]:
                 fqn = ".".join(path)
                 place(fqn, stored.properties, torch.Size(chunk["shape"]), tuple(chunk["offsets"]), stored.size, info)
@@ -161,11 +190,23 @@ def merge(tmp: Path, owners: dict[int, str], records: dict[str, dict[str, Any]])
         for index, shared in records[owners[rank]]["ranks"][str(rank)]["shared"].items():
             _share(tensors, storage, rank, int(index), shared, place)
     for fqn, entry in tensors.items():
-        if sum(math.prod(c.sizes) for c in entry.chunks) != math.prod(entry.size):
+        if not _covers(entry):
             raise CheckpointError(f"the chunks of {fqn} do not cover its global shape {list(entry.size)} exactly")
     version = next(iter(parts.values())).version
     return Metadata(state_dict_metadata=dict(tensors), planner_data=planner, storage_data=storage,
                     storage_meta=StorageMeta(save_id=uuid.uuid4().hex), version=version)
+
+
+def _covers(entry: TensorStorageMetadata) -> bool:
+    """Whether the chunks make the tensor exactly once: by their sizes, and for chunks of whole rows (slices,
+    FSDP's Shard(0)) by their rows too, which must follow each other (no row twice, none missing)."""
+    if sum(math.prod(c.sizes) for c in entry.chunks) != math.prod(entry.size):
+        return False
+    if len(entry.size) == 0 or any(c.offsets[1:] != (0,) * (len(entry.size) - 1) or c.sizes[1:] != entry.size[1:]
+                                   for c in entry.chunks):
+        return True
+    rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in entry.chunks if c.sizes[0])
+    return all(a == b for (_, b), (a, _) in zip([(0, 0), *rows], rows)) and (not rows or rows[-1][1] == entry.size[0])
 
 
 def _share(tensors: dict[str, TensorStorageMetadata], storage: dict[MetadataIndex, Any], rank: int, index: int,

@@ -11,8 +11,18 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from deadpool.disk.chunks import meta_key, private_key
-from deadpool.disk.manifest import FORMAT, MANIFEST, METADATA, Identity, compatible, files_reason, listing, read_json
+from deadpool.disk.chunks import meta_key, private_key, tensor_paths
+from deadpool.disk.manifest import (
+    FORMATS,
+    MANIFEST,
+    METADATA,
+    Identity,
+    bytes_hash,
+    compatible,
+    files_reason,
+    listing,
+    read_json,
+)
 from deadpool.errors import CheckpointError
 from deadpool.runtime.slots import checksum
 
@@ -45,8 +55,9 @@ def _checked(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     manifest = read_json(path / MANIFEST)
     if manifest is None:
         return None, f"{MANIFEST} is not readable JSON"
-    if manifest.get("format") != FORMAT:
-        return None, f"{MANIFEST} has format {manifest.get('format')!r}, this DeadPool reads {FORMAT}"
+    if manifest.get("format") not in FORMATS:
+        readable = " and ".join(map(str, FORMATS))
+        return None, f"{MANIFEST} has format {manifest.get('format')!r}, this DeadPool reads {readable}"
     try:
         if METADATA not in manifest["files"]:
             return None, f"{MANIFEST} lists no {METADATA}"
@@ -58,7 +69,12 @@ def _checked(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 def read_rank(path: str | os.PathLike, rank: int) -> tuple[bytes, torch.Tensor]:
     """Rank `rank`'s snapshot from checkpoint `path` (verify it first): its metadata bytes and a byte buffer
     with every tensor at its layout offset and zero padding, exactly the slot that was written (its CRC is
-    checked against the slot's). Plain `dcp.load`s, straight into views of the one buffer."""
+    checked against the slot's). Plain `dcp.load`s, straight into views of the one buffer.
+
+    A rank that wrote a slice gets its stable tensors whole, from every rank's piece (read by their global
+    fqns), each piece checked against the hash its writer recorded, and the metadata of a whole snapshot
+    (without "slice"): its slot holds every byte, so its checksum must cover every byte, and the restored rank
+    takes its own slice again at its next snapshot, whatever this job's setting."""
     path = Path(path)
     manifest = read_json(path / MANIFEST)
     if manifest is None or str(rank) not in manifest.get("ranks", {}):
@@ -67,12 +83,24 @@ def read_rank(path: str | os.PathLike, rank: int) -> tuple[bytes, torch.Tensor]:
     meta_t = torch.empty(entry["meta_bytes"], dtype=torch.uint8)
     dcp.load({meta_key(rank): meta_t}, checkpoint_id=path, no_dist=True)
     meta = meta_t.numpy().tobytes()
+    parsed = json.loads(meta)
+    where = tensor_paths(parsed["skeleton"]) if "slice" in parsed else {}
     buffer = torch.zeros(entry["nbytes"], dtype=torch.uint8)
-    views = {private_key(rank, i): buffer[offset: offset + n].view(getattr(torch, dtype)).reshape(shape)
-             for i, (dtype, shape, offset, n) in enumerate(json.loads(meta)["tensors"]) if n}
+    views = {".".join(where[i][0][0]) if where and parsed["stable"][i] else private_key(rank, i):
+             buffer[offset: offset + n].view(getattr(torch, dtype)).reshape(shape)
+             for i, (dtype, shape, offset, n) in enumerate(parsed["tensors"]) if n}
     if views:
         dcp.load(views, checkpoint_id=path, no_dist=True)
     if checksum(meta, buffer) != entry["crc"]:
         raise CheckpointError(f"rank {rank}'s snapshot read from {path} does not match the checksum of the slot "
                               "it was written from")
-    return meta, buffer
+    if not where:
+        return meta, buffer
+    raw = buffer.numpy().data
+    for other, piece in sorted(manifest["ranks"].items(), key=lambda item: int(item[0])):
+        start, end = piece["slice"]
+        if bytes_hash(raw[start:end]) != piece["slice_hash"]:
+            raise CheckpointError(f"rank {rank}'s snapshot read from {path}: bytes {start}-{end} of the replicated "
+                                  f"state (rank {other}'s slice) do not match the hash they were written with")
+    del parsed["slice"]
+    return json.dumps(parsed).encode(), buffer

@@ -24,18 +24,20 @@ import torch.distributed.checkpoint as dcp
 
 from deadpool.disk.chunks import RankChunks, chunk_rank, meta_key
 from deadpool.disk.manifest import (
-    FORMAT,
+    FORMATS,
     PART_JSON,
     Identity,
+    bytes_hash,
     file_entry,
     files_reason,
+    format_for,
     fsync_dir,
     read_json,
     step_dir,
     tmp_dir,
     write_durably,
 )
-from deadpool.runtime.slots import Slot
+from deadpool.runtime.slots import Slot, held_ranges
 
 
 def write_part(root: str | os.PathLike, step: int, writer: str, snapshots: Mapping[int, Slot],
@@ -65,8 +67,9 @@ def write_part(root: str | os.PathLike, step: int, writer: str, snapshots: Mappi
         table[str(rank)] = _rank_table(chunks, slot)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(part, thread_count=thread_count), no_dist=True)
     files = {name: file_entry(part / name) for name in sorted(os.listdir(part))}
-    record = {"format": FORMAT, "step": step, "writer": writer, "identity": identity.to_json(), "ranks": table,
-              "files": files}
+    sliced = any("slice" in rank for rank in table.values())
+    record = {"format": format_for(sliced), "step": step, "writer": writer, "identity": identity.to_json(),
+              "ranks": table, "files": files}
     write_durably(part / PART_JSON, json.dumps(record).encode())
     return part
 
@@ -75,7 +78,7 @@ def read_part(part: Path, step: int, identity: Identity) -> dict[str, Any] | Non
     """A part's part.json if the part is complete (its files have the listed sizes) and of this step and
     identity; None otherwise (half written, damaged, or left by another job)."""
     record = read_json(part / PART_JSON)
-    if (record is None or record.get("format") != FORMAT or record.get("step") != step
+    if (record is None or record.get("format") not in FORMATS or record.get("step") != step
             or record.get("identity") != identity.to_json()):
         return None
     return record if files_reason(part, record["files"], hashes=False) is None else None
@@ -88,19 +91,29 @@ def _check(rank: int, slot: Slot, step: int) -> None:
     specs = json.loads(slot.meta)["tensors"]
     raw = slot.data.numpy()
     starts = sorted([offset for _, _, offset, _ in specs] + [slot.nbytes])
-    ends = [offset + n for _, _, offset, n in specs]
-    if any(np.any(raw[end: starts[bisect.bisect_left(starts, end)]]) for end in ends):
+    gaps = [(end, starts[bisect.bisect_left(starts, end)]) for end in (offset + n for _, _, offset, n in specs)]
+    held = held_ranges(slot.meta, slot.nbytes)  # a slice's bytes outside its piece are not its own: not looked at
+    if any(np.any(raw[max(a, start): min(b, end)]) for a, b in gaps for start, end in held):
         raise ValueError(f"rank {rank}'s slot has non-zero padding between its tensors: the disk keeps tensors "
                          "only, so it could not give these bytes back")
 
 
 def _rank_table(chunks: RankChunks, slot: Slot) -> dict[str, Any]:
     """part.json's entry for one rank: for each stored key its global tensor and place in it; for each
-    shared tensor the fqn rank 0 stores it under (and its shape and dtype, checked against rank 0's)."""
-    specs = json.loads(slot.meta)["tensors"]
-    return {"crc": slot.digest, "nbytes": slot.nbytes, "meta": meta_key(chunks.rank), "meta_bytes": len(slot.meta),
-            "chunks": {c.key: {"fqn": c.fqn, "paths": [list(p) for p in c.paths], "shape": list(c.global_shape),
-                               "offsets": list(c.offsets), "dtype": str(c.tensor.dtype).removeprefix("torch.")}
-                       for c in chunks.chunks},
-            "shared": {str(i): {"fqn": fqn, "shape": specs[i][1], "dtype": specs[i][0]}
-                       for i, fqn in chunks.shared.items()}}
+    shared tensor the fqn rank 0 stores it under (and its shape and dtype, checked against rank 0's). A slice
+    adds its piece, the lead region's size and the piece's hash: what checks the piece in the other ranks'
+    snapshots rebuilt from the checkpoint (read.py)."""
+    meta = json.loads(slot.meta)
+    specs = meta["tensors"]
+    table = {"crc": slot.digest, "nbytes": slot.nbytes, "meta": meta_key(chunks.rank), "meta_bytes": len(slot.meta),
+             "chunks": {c.key: {"fqn": c.fqn, "paths": [list(p) for p in c.paths], "shape": list(c.global_shape),
+                                "offsets": list(c.offsets), "dtype": str(c.tensor.dtype).removeprefix("torch."),
+                                **({"sliced": True} if c.sliced else {})}
+                        for c in chunks.chunks},
+             "shared": {str(i): {"fqn": fqn, "shape": specs[i][1], "dtype": specs[i][0]}
+                        for i, fqn in chunks.shared.items()}}
+    if "slice" in meta:
+        start, end = meta["slice"]
+        table.update({"slice": [start, end], "lead": meta["lead"],
+                      "slice_hash": bytes_hash(slot.data.numpy().data[start:end])})
+    return table

@@ -17,26 +17,37 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from deadpool.config import JobConfig
 from deadpool.errors import CheckpointError, ProtocolError
 from deadpool.protocol.records import PersistOrder, PersistReport
 from deadpool.runtime.context import Context
-from deadpool.runtime.slots import Slot, checksum
+from deadpool.runtime.slots import Slot, checksum, held_ranges
 from deadpool.runtime.state import Stateful, flatten
 
 POLL_S = 0.1  # how often a process looks for a new order: checkpoints are minutes apart, a write takes seconds
 
 
 def copy_out(rank: int, slots: list[Slot], step: int) -> Slot:
-    """A private copy of rank's snapshot `step`, exactly as committed."""
+    """A private copy of rank's snapshot `step`, exactly as committed: of the bytes it holds only (a slice's
+    piece and private state, slots.held_ranges), in a buffer of the slot's size whose other bytes are never
+    touched, so their pages are never allocated (a slot that size is mapped lazily by the allocator)."""
     slot = next((s for s in slots if s.step == step), None)
     if slot is None:
         raise ProtocolError(f"snapshot {step} of rank {rank} is no longer held here (a newer one replaced it)")
-    meta, digest = slot.meta, slot.digest
-    data = slot.data.clone()
+    meta, digest, nbytes = slot.meta, slot.digest, slot.nbytes
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    for start, end in held_ranges(meta, nbytes):
+        data[start:end].copy_(slot.buffer[start:end])
     if slot.step != step or checksum(meta, data) != digest:
         raise ProtocolError(f"snapshot {step} of rank {rank} changed while it was copied (a newer one replaced it)")
-    return Slot(buffer=data, step=step, meta=meta, nbytes=data.numel(), digest=digest, trusted=True)
+    return Slot(buffer=data, step=step, meta=meta, nbytes=nbytes, digest=digest, trusted=True)
+
+
+def held_nbytes(slot: Slot) -> int:
+    """The bytes of a snapshot that reach the disk: those it holds (a slice: its piece and private state)."""
+    return sum(end - start for start, end in held_ranges(slot.meta, slot.nbytes))
 
 
 class Persister:
@@ -63,7 +74,7 @@ class Persister:
         try:
             with self.writing:
                 snapshots = {rank: copy_out(rank, self.sources(rank), step) for rank in ranks}
-                nbytes = sum(slot.nbytes for slot in snapshots.values())
+                nbytes = sum(held_nbytes(slot) for slot in snapshots.values())
                 identity = Identity.of(snapshots[ranks[0]].meta, config.workers, config.config_hash())
                 write_part(Path(config.persist_dir), step, ctx.proc, snapshots, identity)
         except Exception as error:  # reported: the coordinator drops this checkpoint, the job goes on

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from tests.unit.disk.plain_model import Tiny
 
-from deadpool.runtime.slots import Slot, checksum, make_meta
+from deadpool.runtime.slices import cuts
+from deadpool.runtime.slots import Slot, checksum, held_ranges, make_meta
 from deadpool.runtime.state import ALIGN, Flat, Layout, flatten
 
 
@@ -80,6 +81,43 @@ def sharded_slots(step: int = 3, world: int = 3) -> tuple[list[Slot], dict[str, 
             flat.stable[node["T"]] = True
         slots.append(seal(flat, step, False))
     return slots, full
+
+
+def data_parallel_tree(rank: int, step: int) -> dict:
+    """One data-parallel rank's state: the same model, Adam state and extra parameters (a 1-row, an empty and
+    a 50-row one) on every rank; its own buffers, RNG states and data position."""
+    model, optimizer = trained()
+    model.bn.running_mean.add_(rank)
+    torch.manual_seed(1)
+    extra = Box({"row": torch.nn.Parameter(torch.randn(1, 40)), "none": torch.nn.Parameter(torch.empty(0, 3)),
+                 "big": torch.nn.Parameter(torch.randn(50, 6))})
+    torch.manual_seed(100 + rank)
+    rng = Box({"torch": torch.get_rng_state(), "numpy": np.random.RandomState(rank).get_state(),
+               "position": 1000 * rank + step, "seen": torch.arange(rank + 3)})
+    return {"model": model, "optimizer": optimizer, "extra": extra, "rng": rng}
+
+
+def slice_of(flat: Flat, step: int, rank: int, world: int) -> tuple[Slot, Slot]:
+    """(rank's sliced slot, the whole slot it is a slice of). The sliced slot holds the whole slot's bytes
+    in its piece of the replicated state (slices.cuts) and its private state; every other byte is garbage."""
+    whole = seal(flat, step, True)
+    layout = Layout.of(flat.tensors, lead=flat.stable)
+    piece = cuts(layout, world)[rank:rank + 2]
+    slot = Slot()
+    buffer = slot.reserve(layout.nbytes)
+    buffer.random_(0, 256, generator=torch.Generator().manual_seed(rank))
+    meta = make_meta(step, flat.skeleton, layout, flat.numpy, flat.cuda, flat.stable, True, (piece[0], piece[1]))
+    for start, end in held_ranges(meta, layout.nbytes):
+        buffer[start:end] = whole.data[start:end]
+    slot.seal(step, meta, checksum(meta, slot.data), trusted=True)
+    return slot, whole
+
+
+def sliced_slots(step: int = 7, world: int = 3) -> tuple[list[Slot], list[Slot], list[dict]]:
+    """`world` data-parallel ranks' sliced slots, the whole slots they are slices of, and their state trees."""
+    trees = [data_parallel_tree(rank, step) for rank in range(world)]
+    pairs = [slice_of(flatten(tree), step, rank, world) for rank, tree in enumerate(trees)]
+    return [p[0] for p in pairs], [p[1] for p in pairs], trees
 
 
 def slot_tensors(slot: Slot) -> list[torch.Tensor]:
