@@ -115,7 +115,7 @@ def test_round_trip_loads_whole_tensors_and_gives_each_rank_its_whole_snapshot(t
         assert meta == wholes[rank].meta and torch.equal(buffer, wholes[rank].data)
         assert checksum(meta, buffer) == wholes[rank].digest
         restored = Slot()
-        assert load_from_disk(path, rank, restored) == 7 and restored.digest == wholes[rank].digest
+        assert load_from_disk(path, rank, restored, world) == 7 and restored.digest == wholes[rank].digest
         skeleton, tensors, numpy_flags = restored.tensors(torch.device("cpu"))
         fresh = data_parallel_tree(world + 5, 0)  # another rank's state, then loaded
         load_into(fresh, unflatten(skeleton, tensors, numpy_flags))
