@@ -78,10 +78,11 @@ COEFFICIENTS = tuple(f.name for f in fields(SwapCoefficients) if f.name not in (
 
 # Our runs of 2026-12-02 (docs/benchmarks.md, "Goodput at cluster scale", "The coefficients, measured"):
 # `python scripts/bench_sim_fit.py`, whole-node SIGKILLs at 2-16 nodes in network namespaces, fitted by
-# sim/fit.py; coordinator_per_rank_s is the store benchmark of the same script. `--fit FILE` replaces them.
+# sim/fit.py; coordinator_per_rank_s is the store benchmark of the same script (the server's CPU per put + the poll
+# per key, median of 3 at load 4-5, 67-84 µs). `--fit FILE` replaces them.
 FIT_2026_12_02 = {"exit_notice_s": 0.0169, "decide_s": 0.0651, "report_s": 0.0332, "report_per_rank_s": 0.00889,
                   "rebuild_s": 0.0, "rebuild_per_rank_s": 0.0457, "transfer_s": 0.00710, "link_bytes_per_s": 3.94e8,
-                  "restore_bytes_per_s": 4.74e8, "coordinator_per_rank_s": 1.47e-4}
+                  "restore_bytes_per_s": 4.74e8, "coordinator_per_rank_s": 7.2e-5}
 # ncclCommShrink, published: 1.5 s at 32 GPUs and 2.0 s at 1,024 (quoted in our design notes, which are not in
 # this repository, without the measurement's source; we have not reproduced them): 1.0 s + 0.1 s per doubling.
 _SHRINK_PER_DOUBLING_S = (2.0 - 1.5) / (math.log2(1024) - math.log2(32))
