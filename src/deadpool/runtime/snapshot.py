@@ -31,8 +31,10 @@ from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.digest import Digest, copy_hashed, hash_name
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.pieces import Piece, audit, audited, piece_of, sources
 from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.replica import ReplicaSender
+from deadpool.runtime.slices import held
 from deadpool.runtime.slots import Slot, free_slot, make_meta
 from deadpool.runtime.state import Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
@@ -166,6 +168,11 @@ class SnapshotEngine:
                     self.slots[self.slots.index(run.writing)] = Slot()
             self.ctx.events.emit("snapshot_thread_abandoned", timeout_s=timeout_s, gen=run.inc.generation)
 
+    def sliced(self, world: int) -> bool:
+        """Whether snapshots hold one piece of the replicated state (slices.py): data parallel over more than
+        one rank, unless --slices off. The same on every rank, so the restore's gather is too."""
+        return self.ctx.config.slices and self.replicated and world > 1
+
     def usable_steps(self) -> list[int]:
         return sorted(s.step for s in self.slots if s.usable() and s.step is not None)
 
@@ -196,7 +203,9 @@ class _Run:
         self.error: BaseException | None = None
         self.writing: Slot | None = None
         self.durable: set[int] = set()
-        self.fingerprints: dict[int, int] = {}  # step -> hash of its replicated tensors (parameters, optimizer)
+        self.fingerprints: dict[int, int] = {}  # step -> hash of its replicated tensors (or of its piece of them)
+        self.audits: dict[int, tuple[int, int]] = {}  # sliced: step -> (piece audited, its hash from live tensors)
+        self.taken = 0  # snapshots handed over in this generation: the same count on every rank (audit rotation)
         self.skipped: list[int] = []
         self.thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{inc.generation}", daemon=True)
         self.thread.start()
@@ -260,6 +269,10 @@ class _Run:
 
     def _snapshot(self, job: _Job, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         start = time.monotonic()
+        rank, world = self.inc.my_rank(), self.inc.world_size
+        piece = piece_of(job.layout, rank, world) if self.engine.sliced(world) else None
+        checked = audited(rank, world, self.taken) if piece is not None else None
+        self.taken += 1
         slot = self._reserve(job, plane)
         if slot is None:
             self.skipped = (self.skipped + [job.step])[-8:]
@@ -270,9 +283,9 @@ class _Run:
             return
         reserved = time.monotonic()
         self._report_memory()
-        digest = self._copy(job, slot.data)
+        digest = self._copy(job, slot.data, piece, checked)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
-                         self.engine.replicated)
+                         self.engine.replicated, piece)
         fingerprint, whole = digest.finish(meta)
         copied = time.monotonic()
         slot.seal(job.step, meta, whole, trusted=True)
@@ -283,7 +296,8 @@ class _Run:
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - start)
-        self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, slot_wait_s=reserved - start,
+        self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, held=digest.fed,
+                             slice=None if piece is None else list(piece), slot_wait_s=reserved - start,
                              copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
@@ -334,21 +348,24 @@ class _Run:
 
     def _report(self, plane: ControlPlane) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
-        held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
+        steps = sorted(s.step for s in self.engine.slots if s.step in self.durable)
         fingerprints: dict[int, int] = {}
         if self.engine.replicated:
             # a resent snapshot has none: it was compared when it was taken
-            self.fingerprints = fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
-        plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(held),
-                                                  tuple(self.skipped), fingerprints))
+            self.fingerprints = fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in steps}
+            self.audits = {step: audit for step, audit in self.audits.items() if step in steps}
+        plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(steps),
+                                                  tuple(self.skipped), fingerprints, dict(self.audits)))
 
-    def _copy(self, job: _Job, buffer: torch.Tensor) -> Digest:
-        """Copies every tensor into its place in the slot and hashes it in the same pass (digest.py); on GPU
-        through a side stream into pinned memory, hashed once it has landed. Training may go on (`copied`)
-        as soon as the last byte is in the slot: the hash of the last chunk does not hold it up."""
-        engine = self.engine
-        sources = [(tensor.reshape(-1).view(torch.uint8), offset)
-                   for tensor, (_, _, offset, n) in zip(job.flat.tensors, job.layout.specs)]
+    def _copy(self, job: _Job, buffer: torch.Tensor, piece: Piece | None, checked: int | None) -> Digest:
+        """Copies this rank's piece of the replicated state (None: all of it) and its private tensors into their
+        places in the slot and hashes them in the same pass (digest.py); on GPU through a side stream into
+        pinned memory, hashed once it has landed. Sliced, it then audits rank `checked`'s piece of the live tensors,
+        which the next optimizer step will change: training may go on (`copied`) once that is done and the
+        last byte is in the slot; the hash of the last chunk does not hold it up."""
+        engine, layout = self.engine, job.layout
+        ranges = held(layout.lead_nbytes, layout.nbytes, piece)
+        lead = layout.lead_nbytes if piece is None else piece[1] - piece[0]
 
         def midway() -> None:
             self.ctx.faults.point("snapshot_copy", job.step)
@@ -356,13 +373,16 @@ class _Run:
         def settle() -> None:
             if engine._stream is not None:
                 engine._stream.synchronize()
+            if checked is not None:
+                other = piece_of(layout, checked, self.inc.world_size)
+                self.audits[job.step] = (checked, audit(job.flat.tensors, layout, other))
             self.copied.set()
 
         with torch.cuda.stream(engine._stream) if engine.cuda else nullcontext():
             if job.ready is not None and engine._stream is not None:
                 engine._stream.wait_event(job.ready)
-            return copy_hashed(sources, buffer, job.layout.lead_nbytes, behind=not engine.cuda,
-                               non_blocking=engine.cuda, midway=midway, settle=settle)
+            return copy_hashed(sources(job.flat.tensors, layout, piece), buffer, ranges, lead,
+                               behind=not engine.cuda, non_blocking=engine.cuda, midway=midway, settle=settle)
 
     def _connect(self, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:
