@@ -70,3 +70,9 @@ def test_a_recovery_whose_holders_all_stay_valid_resends_nothing(tmp_path, refer
     assert [p["holders"] for p in plans] == [[["s0"], ["s1"], ["s0"], ["s1"]]] + [[["s0"], ["w2"], ["s0"], ["s0"]]] * 2
     resent = sorted((e["gen"], e["rank"], e["holders"]) for e in job.named("snapshot_resent"))
     assert resent == [(1, 1, ["w2"]), (1, 3, ["s0"])]  # placed anew by rotation, generation 2 had resent rank 2's
+    # sliced snapshots: a resend sends the restored piece (and private state) only, and each recovery gathered
+    # the pieces over its new group
+    lead = max(e["slice"][1] for e in job.named("snapshot"))
+    assert all(e["held"] < lead for e in job.named("snapshot_resent"))
+    gathered = sorted((e["gen"], e["rank"]) for e in job.named("pieces_gathered"))
+    assert gathered == [(gen, rank) for gen in (1, 2) for rank in range(4)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Sequence
 
@@ -20,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from deadpool.runtime.comms import collective
-from deadpool.runtime.digest import CHUNK, Source, int64, new_hasher
-from deadpool.runtime.slices import cuts, spans
+from deadpool.runtime.digest import CHUNK, Digest, Source, copy_hashed, int64, new_hasher
+from deadpool.runtime.slices import cuts, held, spans
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.state import ALIGN, Layout
 
@@ -67,6 +68,34 @@ def sources(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece | None
         if offset >= lead:
             out.append((flat[i], offset, offset + _padded(nbytes)))
     return out
+
+
+def copy_in(tensors: Sequence[torch.Tensor], layout: Layout, buffer: torch.Tensor, piece: Piece | None,
+            other: Piece | None, *, stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None,
+            copied: Callable[[], None], midway: Callable[[], None]) -> tuple[Digest, int | None]:
+    """One snapshot: copies `piece` of the replicated state (None: all of it) and the private tensors into
+    their places in the slot and hashes them in the same pass (digest.copy_hashed); on GPU through `stream`
+    (after the training stream's `ready`) into pinned memory, hashed once it has landed. Then it audits piece
+    `other` of the live tensors, which the next optimizer step will change: training may go on (`copied`)
+    once that is done and the last byte is in the slot; the hash of the last chunk does not hold it up.
+    Returns the digest and the audit's hash (None without `other`)."""
+    seen: list[int] = []
+
+    def settle() -> None:
+        if stream is not None:
+            stream.synchronize()
+        if other is not None:
+            seen.append(audit(tensors, layout, other))
+        copied()
+
+    ranges = held(layout.lead_nbytes, layout.nbytes, piece)
+    lead = layout.lead_nbytes if piece is None else piece[1] - piece[0]
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        if ready is not None and stream is not None:
+            stream.wait_event(ready)
+        digest = copy_hashed(sources(tensors, layout, piece), buffer, ranges, lead, behind=stream is None,
+                             non_blocking=stream is not None, midway=midway, settle=settle)
+    return digest, seen[0] if seen else None
 
 
 def audit(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece) -> int:

@@ -21,6 +21,7 @@ A process the new plan no longer names has been fenced out: it must stop, never 
 from __future__ import annotations
 
 import enum
+import json
 import threading
 import time
 from typing import Callable, Protocol
@@ -196,7 +197,8 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
                 ctx.events.emit("replica_rejected", of_rank=rank, step=mismatch.step, source=source,
                                 error=str(mismatch))
             member.take(slots)
-            ctx.events.emit("replica_received", of_rank=rank, source=source)
+            pieces = {s.step: json.loads(s.meta).get("slice") for s in slots if s.step is not None}
+            ctx.events.emit("replica_received", of_rank=rank, source=source, slices=pieces)  # step -> piece held
         elif rank in held:
             member.take(held[rank])
     except (InterruptedError, TimeoutError, PeerFailure) as error:  # stopped, past the deadline, the holder failed

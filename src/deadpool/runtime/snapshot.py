@@ -19,7 +19,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +28,12 @@ from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Commit, Durable
 from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
-from deadpool.runtime.digest import Digest, copy_hashed, hash_name
+from deadpool.runtime.digest import hash_name
 from deadpool.runtime.generation import Incarnation
-from deadpool.runtime.pieces import Piece, audit, audited, piece_of, sources
+from deadpool.runtime.pieces import audited, copy_in, piece_of
 from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.replica import ReplicaSender
-from deadpool.runtime.slices import held
-from deadpool.runtime.slots import Slot, free_slot, make_meta
+from deadpool.runtime.slots import Slot, free_slot, held_ranges, make_meta
 from deadpool.runtime.state import Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
 
@@ -283,7 +281,12 @@ class _Run:
             return
         reserved = time.monotonic()
         self._report_memory()
-        digest = self._copy(job, slot.data, piece, checked)
+        digest, seen = copy_in(job.flat.tensors, job.layout, slot.data, piece,
+                               None if checked is None else piece_of(job.layout, checked, world),
+                               stream=self.engine._stream, ready=job.ready, copied=self.copied.set,
+                               midway=lambda: self.ctx.faults.point("snapshot_copy", job.step))
+        if checked is not None and seen is not None:
+            self.audits[job.step] = (checked, seen)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
                          self.engine.replicated, piece)
         fingerprint, whole = digest.finish(meta)
@@ -307,7 +310,8 @@ class _Run:
             self._replicate(slot, holder, store, senders)
         self.durable.add(job.step)
         self._report(plane)
-        self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders))
+        self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders),
+                             held=sum(b - a for a, b in held_ranges(slot.meta, slot.nbytes)))
 
     def _reserve(self, job: _Job, plane: ControlPlane) -> Slot | None:
         """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""
@@ -356,33 +360,6 @@ class _Run:
             self.audits = {step: audit for step, audit in self.audits.items() if step in steps}
         plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(steps),
                                                   tuple(self.skipped), fingerprints, dict(self.audits)))
-
-    def _copy(self, job: _Job, buffer: torch.Tensor, piece: Piece | None, checked: int | None) -> Digest:
-        """Copies this rank's piece of the replicated state (None: all of it) and its private tensors into their
-        places in the slot and hashes them in the same pass (digest.py); on GPU through a side stream into
-        pinned memory, hashed once it has landed. Sliced, it then audits rank `checked`'s piece of the live tensors,
-        which the next optimizer step will change: training may go on (`copied`) once that is done and the
-        last byte is in the slot; the hash of the last chunk does not hold it up."""
-        engine, layout = self.engine, job.layout
-        ranges = held(layout.lead_nbytes, layout.nbytes, piece)
-        lead = layout.lead_nbytes if piece is None else piece[1] - piece[0]
-
-        def midway() -> None:
-            self.ctx.faults.point("snapshot_copy", job.step)
-
-        def settle() -> None:
-            if engine._stream is not None:
-                engine._stream.synchronize()
-            if checked is not None:
-                other = piece_of(layout, checked, self.inc.world_size)
-                self.audits[job.step] = (checked, audit(job.flat.tensors, layout, other))
-            self.copied.set()
-
-        with torch.cuda.stream(engine._stream) if engine.cuda else nullcontext():
-            if job.ready is not None and engine._stream is not None:
-                engine._stream.wait_event(job.ready)
-            return copy_hashed(sources(job.flat.tensors, layout, piece), buffer, ranges, lead,
-                               behind=not engine.cuda, non_blocking=engine.cuda, midway=midway, settle=settle)
 
     def _connect(self, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:

@@ -8,7 +8,7 @@ import torch
 
 from deadpool.runtime import digest as digest_module
 from deadpool.runtime.digest import Digest, copy_hashed
-from deadpool.runtime.pieces import audit, audited, piece_of, sources
+from deadpool.runtime.pieces import audit, audited, copy_in, piece_of, sources
 from deadpool.runtime.slices import held
 from deadpool.runtime.slots import Slot, checksum, held_ranges, make_meta
 from deadpool.runtime.state import Layout
@@ -37,8 +37,8 @@ def snapshot(rank: int, world: int) -> tuple[Slot, Layout, int, tuple[int, int]]
     slot = Slot()
     buffer = slot.reserve(layout.nbytes)
     buffer.fill_(0xA5 + rank)
-    digest = copy_hashed(sources(tensors, layout, piece), buffer, held(layout.lead_nbytes, layout.nbytes, piece),
-                         piece[1] - piece[0])
+    digest, _ = copy_in(tensors, layout, buffer, piece, None, stream=None, ready=None, copied=lambda: None,
+                        midway=lambda: None)
     meta = make_meta(7, None, layout, [False] * 7, [False] * 7, stable, True, piece)
     fingerprint, whole = digest.finish(meta)
     slot.seal(7, meta, whole, trusted=True)
@@ -102,3 +102,15 @@ def test_audits_rotate_over_every_other_piece_and_cover_each_piece_once_per_snap
         assert sorted(checked) == list(range(world)) and all(c != r for r, c in enumerate(checked))
     for rank in range(world):
         assert {audited(rank, world, taken) for taken in range(world - 1)} == set(range(world)) - {rank}
+
+
+def test_the_audit_is_done_before_training_may_change_the_weights() -> None:
+    """copy_in returns the audit of the other piece, computed before `copied` lets the optimizer step run."""
+    tensors, stable = rank_state(0)
+    layout = Layout.of(tensors, lead=stable)
+    calls: list[str] = []
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    _, seen = copy_in(tensors, layout, buffer, piece_of(layout, 0, 3), piece_of(layout, 2, 3), stream=None,
+                      ready=None, copied=lambda: calls.append("copied"), midway=lambda: calls.append("midway"))
+    assert calls == ["midway", "copied"]
+    assert seen == snapshot(2, 3)[2]
