@@ -35,14 +35,15 @@ DIVERGENCE_CAUSES = (
 
 def check_replicas(agreed: int | None, reports: Mapping[int, Durable]) -> ReplicaCheck:
     """Compares, step by step after `agreed`, what every rank reported of its replicated state; stops at the
-    first step where they differ. Whole fingerprints must all be equal; sliced (runtime/pieces.py), each rank's
-    audit of another rank's piece must equal that rank's own piece hash (compare_audits)."""
+    first step where they differ. Whole fingerprints must all be equal; sliced (runtime/pieces.py), every
+    rank's hash of the piece audited at that step must equal its owner's (compare_audits)."""
     if not reports or any(not r.fingerprints for r in reports.values()):
         return ReplicaCheck(agreed, None, "no fingerprints to compare")
     common = sorted(set.intersection(*(set(r.fingerprints) for r in reports.values())))
-    sliced = any(r.audits for r in reports.values())
     for step in (s for s in common if agreed is None or s > agreed):
-        groups = compare_audits(step, reports) if sliced else _equal_groups(step, reports)
+        sliced = any(step in r.audits for r in reports.values())  # else whole: all fingerprints must be equal
+        groups = compare_audits(step, reports) if sliced else _grouped(
+            {rank: report.fingerprints[step] for rank, report in reports.items()})
         if len(groups) > 1:
             others = " and ".join(f"ranks {list(g)}" for g in groups[1:])
             return ReplicaCheck(agreed, Divergence(step, groups, agreed),
@@ -52,37 +53,27 @@ def check_replicas(agreed: int | None, reports: Mapping[int, Durable]) -> Replic
     return ReplicaCheck(agreed, None, f"replicas equal up to step {agreed}")
 
 
-def _ordered(groups: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(g) for g in sorted((g for g in groups if g), key=lambda g: (-len(g), g)))
-
-
-def _equal_groups(step: int, reports: Mapping[int, Durable]) -> tuple[tuple[int, ...], ...]:
-    """Whole fingerprints: the ranks grouped by the fingerprint they reported, the largest group first."""
+def _grouped(hashes: Mapping[int, int]) -> tuple[tuple[int, ...], ...]:
+    """Ranks grouped by the hash they hold, the largest group first."""
     groups: dict[int, list[int]] = {}
-    for rank in sorted(reports):
-        groups.setdefault(reports[rank].fingerprints[step], []).append(rank)
-    return _ordered(list(groups.values()))
+    for rank in sorted(hashes):
+        groups.setdefault(hashes[rank], []).append(rank)
+    return tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: (-len(g), g)))
 
 
 def compare_audits(step: int, reports: Mapping[int, Durable]) -> tuple[tuple[int, ...], ...]:
-    """Sliced: one group of every rank if each audit at `step` equals the audited rank's own piece hash.
-    Otherwise the odd ranks out each alone, after the others: a rank whose every comparison (its audit, and
-    the audits of its piece) failed, or, where no rank failed them all, every rank in a failed one. Each rank
-    audits one piece per snapshot and each piece is audited by one rank, so a rank whose whole state differs
-    fails both of its comparisons at once and its peers one each; a difference confined to one piece is seen
-    when a rank on the other side of it audits that piece, within N-1 snapshots."""
-    outcomes: dict[int, list[bool]] = {rank: [] for rank in reports}
-    for auditor in sorted(reports):
-        audit = reports[auditor].audits.get(step)
-        if audit is None or audit[0] not in reports or step not in reports[audit[0]].fingerprints:
-            continue  # a resent snapshot has no audit; a rank that reports none yet is compared later
-        owner, seen = audit
-        equal = seen == reports[owner].fingerprints[step]
-        outcomes[auditor].append(equal)
-        outcomes[owner].append(equal)
-    failed = [rank for rank, results in outcomes.items() if results and not any(results)]
-    if not failed:
-        failed = [rank for rank, results in outcomes.items() if not all(results)]
-    if not failed:
-        return (tuple(sorted(reports)),)
-    return _ordered([[r for r in sorted(reports) if r not in failed], *([r] for r in sorted(failed))])
+    """Sliced: at each snapshot every rank but its owner hashes the same piece of its live replicated state, so
+    the N opinions of that piece (the owner's piece hash and the N-1 audits) group the ranks as whole
+    fingerprints did: a majority names the odd ranks out. One group of every rank if they all agree (or the
+    step carries no audit: a resent snapshot)."""
+    opinions: dict[int, dict[int, int]] = {}  # piece -> rank -> its hash of that piece
+    for rank in sorted(reports):
+        audit = reports[rank].audits.get(step)
+        if audit is not None and audit[0] in reports and step in reports[audit[0]].fingerprints:
+            piece, seen = audit
+            opinions.setdefault(piece, {piece: reports[piece].fingerprints[step]})[rank] = seen
+    for piece in sorted(opinions):
+        groups = _grouped(opinions[piece])
+        if len(groups) > 1:
+            return groups
+    return (tuple(sorted(reports)),)

@@ -4,8 +4,8 @@ of another rank's piece that keeps the divergence check whole, and the gather th
 Where the pieces lie is slices.py (pure); this module moves and hashes their bytes.
 
     snapshot k, rank r of N:  copy + hash piece r and the private state (one pass)  -> piece hash P_r(k)
-                              hash piece j of the live tensors (no copy)            -> audit (j, A_r(k))
-    coordinator:              A_r(k) == P_j(k) for every audit (divergence.check_replicas)
+                              unless r == j = k mod N: hash piece j of the live tensors (no copy) -> A_r(k)
+    coordinator:              A_r(k) == P_j(k) for every rank r != j (divergence.check_replicas)
     restore of step C:        N broadcasts over the new group, piece i from rank i, into every slot
 """
 
@@ -35,10 +35,11 @@ def piece_of(layout: Layout, rank: int, world: int) -> Piece:
     return c[rank], c[rank + 1]
 
 
-def audited(rank: int, world: int, taken: int) -> int:
-    """The piece rank audits in its `taken`-th snapshot of a generation (counted alike on every rank): each
-    of the other N-1 in turn, and at each snapshot every piece is audited by exactly one other rank."""
-    return (rank + 1 + taken % (world - 1)) % world
+def audited(world: int, taken: int) -> int:
+    """The piece every rank but its owner audits in the `taken`-th snapshot of a generation (counted alike on
+    every rank): each of the N pieces in turn, so that each snapshot compares N opinions of one piece (a
+    majority names the odd rank out) and every N snapshots compare all of the replicated state."""
+    return taken % world
 
 
 def _padded(nbytes: int) -> int:

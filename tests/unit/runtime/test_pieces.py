@@ -96,12 +96,8 @@ def test_an_empty_piece_hashes_as_nothing() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 6])
-def test_audits_rotate_over_every_other_piece_and_cover_each_piece_once_per_snapshot(world: int) -> None:
-    for taken in range(3 * world):
-        checked = [audited(rank, world, taken) for rank in range(world)]
-        assert sorted(checked) == list(range(world)) and all(c != r for r, c in enumerate(checked))
-    for rank in range(world):
-        assert {audited(rank, world, taken) for taken in range(world - 1)} == set(range(world)) - {rank}
+def test_audits_cover_every_piece_once_every_n_snapshots(world: int) -> None:
+    assert [audited(world, taken) for taken in range(2 * world)] == [*range(world)] * 2
 
 
 def test_the_audit_is_done_before_training_may_change_the_weights() -> None:
