@@ -267,10 +267,10 @@ class _Run:
 
     def _snapshot(self, job: _Job, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         start = time.monotonic()
-        rank, world = self.inc.my_rank(), self.inc.world_size
-        piece = piece_of(job.layout, rank, world) if self.engine.sliced(world) else None
-        checked = audited(world, self.taken) if piece is not None else None
-        checked = None if checked == rank else checked  # its own piece: its piece hash is its opinion
+        rank, world, sliced = self.inc.my_rank(), self.inc.world_size, self.engine.sliced(self.inc.world_size)
+        piece = piece_of(job.layout, rank, world) if sliced else None
+        checked = audited(world, self.taken)  # audited by every rank but its owner, whose piece hash stands for it
+        other = piece_of(job.layout, checked, world) if sliced and checked != rank else None
         self.taken += 1
         slot = self._reserve(job, plane)
         if slot is None:
@@ -282,11 +282,10 @@ class _Run:
             return
         reserved = time.monotonic()
         self._report_memory()
-        digest, seen = copy_in(job.flat.tensors, job.layout, slot.data, piece,
-                               None if checked is None else piece_of(job.layout, checked, world),
-                               stream=self.engine._stream, ready=job.ready, copied=self.copied.set,
+        digest, seen = copy_in(job.flat.tensors, job.layout, slot.data, piece, other, stream=self.engine._stream,
+                               ready=job.ready, copied=self.copied.set,
                                midway=lambda: self.ctx.faults.point("snapshot_copy", job.step))
-        if checked is not None and seen is not None:
+        if seen is not None:
             self.audits[job.step] = (checked, seen)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
                          self.engine.replicated, piece)
