@@ -6,8 +6,10 @@ Per snapshot k (training thread | this generation's engine thread):
     capture(k): take the state apart;   |
       copy small mutable parts now      |  wait for a free slot (never the newest committed step)
     forward / backward of step k+1      |  copy stable tensors into it and hash each chunk as it lands
+                                        |    (data parallel: only this rank's piece of them, then audit
+                                        |    another piece of the live ones: pieces.py)
     wait_copied()  <------------------- |  copied              (one pass; on GPU: side stream, then hash)
-    optimizer step k+1                  |  seal, send to holders, await their acks
+    optimizer step k+1                  |  seal, send to holders (what the slot holds), await their acks
                                         |  durable: report g{g}/durable/{rank}; the coordinator commits
 
 The slots outlive generations (they hold what a recovery restores); each generation's thread, events and
@@ -63,7 +65,7 @@ class SnapshotEngine:
         self.cuda = device.type == "cuda"
         self.slots = slots or [Slot(), Slot()]
         self.wait_s = 0.0            # total time the training thread waited for copies
-        self.replicated = False      # data parallel: report fingerprints, which must be equal on every rank
+        self.replicated = False      # data parallel: the stable tensors are equal on every rank (sliced, checked)
         self.costs: list[float] = []  # engine busy seconds per snapshot (copy and hash + replicate)
         self.reported_bytes = 0       # host memory of the slots, as last reported (`slot_memory`)
         self.committed: int | None = None  # the newest commit this rank has seen: what it persists if told to stop
