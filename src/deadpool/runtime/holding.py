@@ -47,7 +47,7 @@ class Receiver:
                     ctx.events.emit("replica_rejected", of_rank=self.rank, error=str(error))
                     continue
                 ranges = held_ranges(slot.meta, slot.nbytes)
-                if ctx.faults.should_corrupt(self.rank, slot.step or 0):
+                if ranges and ctx.faults.should_corrupt(self.rank, slot.step or 0):
                     start, end = ranges[0]
                     slot.buffer[(start + end) // 2] ^= 0xFF  # a bit flip in host memory, after the ack
                 allocated = sum(s.buffer.numel() for s in self.slots)
