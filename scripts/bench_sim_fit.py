@@ -132,7 +132,7 @@ def point(run_dir: Path) -> dict[str, Any]:
             "rebuild_s": max(quiet), "rebuild_s_all": max(e["rebuild_s"] for e in recovered),
             "restore_s": recovery["restore_s"],
             "restore_bytes": max(e["bytes"] for e in events if e["event"] == "snapshot"),
-            "resends": [(e["bytes"], e["send_s"]) for e in resent],
+            "resends": [(e.get("held", e["bytes"]), e["send_s"]) for e in resent],  # sliced: the piece is sent
             "fault_to_next_step_s": recovery["fault_to_next_step_s"], "steps_replayed": recovery["steps_replayed"]}
 
 

@@ -94,6 +94,9 @@ class JobConfig:
     spare_wait_s: when a rank fails and no spare is left, how long the coordinator waits for a spare node
     to join (`deadpool agent --spare`) and start its spares before it stops the job; 0 stops at once.
     The survivors wait for the next plan that much longer than the collective timeout.
+    slices: under data parallelism each of the N ranks snapshots, hashes and replicates only its 1/N slice of
+    the replicated state (parameters, optimizer state) plus its private state (runtime/slices.py); False
+    takes whole snapshots on every rank (what benchmarks compare against).
     """
 
     script: str
@@ -123,6 +126,7 @@ class JobConfig:
     hang_timeout_s: float | None = None
     silence_timeout_s: float = SILENCE_TIMEOUT_S
     spare_wait_s: float = 0.0
+    slices: bool = True
     persist_dir: str = ""
     persist_every: int = 10
     persist_interval_s: float = 0.0

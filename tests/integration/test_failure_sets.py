@@ -69,3 +69,27 @@ def test_a_spare_without_replicas_dying_during_a_recovery(tmp_path):
     [recovery] = job.summary["recoveries"]
     assert recovery["replaced"] == {"0": "s0"}
     assert job.named("plan_published")[-1]["spares"] == ["s1"]
+
+
+def test_two_ranks_die_at_once_and_their_pieces_come_from_their_holders_bit_for_bit(tmp_path, reference3):
+    """Sliced snapshots: each rank's piece of the replicated state lives in its own slot and at its holder only.
+    Ranks 0 and 2 die together; both pieces sit at s0 (rank r -> spare r mod 2), which takes rank 0 and streams
+    rank 2's piece to s1. The new generation gathers the three pieces (rank 1's from its own slot) and goes on
+    bit for bit."""
+    faults = tuple(Fault(kind="kill", rank=r, step=6, phase="backward") for r in (0, 2))
+    job = run_job(tmp_path, workers=3, spares=2, faults=faults)
+    assert_same_training(job, reference3)
+    [recovery] = job.summary["recoveries"]
+    restored = recovery["restored_step"]
+    assert recovery["replaced"] == {"0": "s0", "2": "s1"}
+    pieces = {e["rank"]: tuple(e["slice"]) for e in job.named("snapshot") if e["gen"] == 0 and e["step"] == restored}
+    lead = pieces[2][1]
+    assert pieces[0][0] == 0 and pieces[0][1] == pieces[1][0] and pieces[1][1] == pieces[2][0] and lead > 0
+    [received] = job.named("replica_received")  # s1 from s0; s0 adopted its own copy of rank 0
+    assert (received["proc"], received["of_rank"], received["source"]) == ("s1", 2, "s0")
+    assert tuple(received["slices"][str(restored)]) == pieces[2]  # the holder held rank 2's piece only
+    gathered = {e["rank"]: e for e in job.named("pieces_gathered")}
+    assert sorted(gathered) == [0, 1, 2] and {e["step"] for e in gathered.values()} == {restored}
+    assert all(e["received"] == lead - (pieces[r][1] - pieces[r][0]) for r, e in gathered.items())
+    sent = {e["rank"]: e["held"] for e in job.named("snapshot") if e["step"] == restored and e["gen"] == 0}
+    assert all(sent[r] < lead for r in sent)  # each rank copied and sent less than the replicated state

@@ -47,6 +47,15 @@ def test_sigkill_in_any_phase_is_hot_swapped_bit_for_bit(tmp_path, reference, ph
     assert {e["gen"] for e in job.named("finished")} == {1}
 
 
+def test_with_slices_off_whole_snapshots_are_hot_swapped_bit_for_bit(tmp_path, reference):
+    """--slices off: every rank copies, sends and restores all of its state; nothing is gathered."""
+    job = run_job(tmp_path, faults=(Fault(kind="kill", rank=2, step=5, phase="backward"),), slices=False)
+    assert_same_training(job, reference)
+    snapshots = job.named("snapshot")
+    assert all(e["slice"] is None and e["held"] == e["bytes"] for e in snapshots)
+    assert not job.named("pieces_gathered")
+
+
 def test_two_failures_with_two_spares(tmp_path, reference):
     faults = (Fault(kind="kill", rank=1, step=4, phase="backward"), Fault(kind="kill", rank=3, step=8, phase="forward"))
     job = run_job(tmp_path, spares=2, faults=faults)

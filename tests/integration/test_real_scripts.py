@@ -165,9 +165,12 @@ def test_default_group_calls_survive_a_kill_between_them(habits_reference: Job, 
 
 # ---- divergence ------------------------------------------------------------------------------------------
 
-def test_an_unregistered_counter_is_caught_as_divergence_naming_step_and_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("slices", [True, False], ids=["sliced", "whole"])
+def test_an_unregistered_counter_is_caught_as_divergence_naming_step_and_ranks(tmp_path: Path, slices: bool) -> None:
+    """Sliced, the spare's parameters (the first piece, audited first in a generation) are outvoted by the
+    owner's and the other auditor's; whole, its fingerprint by the others'."""
     job = run_job(tmp_path, steps=14, workers=3, spares=1, script=SCRIPTS / "unregistered_counter.py", script_args=(),
-                  faults=(Fault(kind="kill", rank=1, step=7, phase="backward"),))
+                  faults=(Fault(kind="kill", rank=1, step=7, phase="backward"),), slices=slices)
     assert job.code == 1
     (target,) = [e["target"] for e in job.named("restore_decided")]
     (divergence,) = job.named("divergence")

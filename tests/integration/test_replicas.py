@@ -72,3 +72,9 @@ def test_a_recovery_whose_holders_all_stay_valid_resends_nothing(tmp_path, refer
     assert resent == [(1, 1, ["w2"]), (1, 3, ["s0"])]  # placed anew by rotation, generation 2 had resent rank 2's
     snapshot = max(e["bytes"] for e in job.named("snapshot"))  # each resend timed, for scripts/bench_sim_fit.py
     assert all(e["bytes"] == snapshot and e["send_s"] > 0 for e in job.named("snapshot_resent"))
+    # sliced snapshots: a resend sends the restored piece (and private state) only, and each recovery gathered
+    # the pieces over its new group
+    lead = max(e["slice"][1] for e in job.named("snapshot"))
+    assert all(e["held"] < lead for e in job.named("snapshot_resent"))
+    gathered = sorted((e["gen"], e["rank"]) for e in job.named("pieces_gathered"))
+    assert gathered == [(gen, rank) for gen in (1, 2) for rank in range(4)]

@@ -124,7 +124,7 @@ def measure_bandwidths(nbytes: int = MEASURE_BYTES) -> Bandwidths:
         memcpy = _best(lambda: target.copy_(source), nbytes)
         hashed = _best(lambda: new_hasher().update(raw), nbytes)
         crc32 = _best(lambda: zlib.crc32(raw), nbytes)
-        fused = _best(lambda: copy_hashed([(source, 0)], target, 0).finish(b""), nbytes)
+        fused = _best(lambda: copy_hashed([(source, 0, nbytes)], target, [(0, nbytes)], 0).finish(b""), nbytes)
     finally:
         torch.set_num_threads(threads)
     return Bandwidths(memcpy=memcpy, hash=hashed, crc32=crc32, copy_and_hash=fused,

@@ -9,7 +9,7 @@
     AWAIT_SPARE --a spare node's spares started, or --spare-wait is over--> decided again, as from SETTLING
     STEADY --a spare node's spares started: policy.plan_after_join, publish g+1--> AWAIT_READY
 
-In STEADY the machine also checks that data-parallel replicas agree (policy.check_replicas), commits
+In STEADY the machine also checks that data-parallel replicas agree (divergence.check_replicas), commits
 snapshots (policy.commit_step), looks for hangs (fences.look_for_hangs) and admits spare nodes that joined
 the running job (a join in any other phase waits in the state until then). In STEADY and during a recovery
 it fences processes whose own heartbeat stopped (fences.look_for_silence: an idle spare, anyone recovering).
@@ -25,16 +25,14 @@ from typing import Mapping
 
 from deadpool.config import JobConfig
 from deadpool.coordinator import persist
+from deadpool.coordinator.divergence import DIVERGENCE_CAUSES, Divergence, check_replicas
 from deadpool.coordinator.fences import look_for_hangs, look_for_silence
 from deadpool.coordinator.policy import (
-    DIVERGENCE_CAUSES,
     FINISHED,
     SCRIPT_ERROR,
     Decision,
-    Divergence,
     Durable,
     abandoned_steps,
-    check_replicas,
     choose_restore_step,
     classify_exit,
     commit_step,

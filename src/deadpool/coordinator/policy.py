@@ -2,10 +2,9 @@
 
 The coordinator's loop (server.py) gathers the inputs, calls these, applies the decision and logs its
 reason: how a process ended (classify_exit), who replaces whom (plan_after_failures), which step is
-committed (commit_step), whether data-parallel replicas still agree (check_replicas), which step to
-restore (choose_restore_step), how spares that join enter the pool (plan_after_join) and whether to wait
-for one (wait_for_spare); and, for the launcher, which GPU each process gets (place_devices). Who is hung:
-hangs.py.
+committed (commit_step), which step to restore (choose_restore_step), how spares that join enter the pool
+(plan_after_join) and whether to wait for one (wait_for_spare); and, for the launcher, which GPU each process
+gets (place_devices). Who is hung: hangs.py; whether data-parallel replicas still agree: divergence.py.
 """
 
 from __future__ import annotations
@@ -341,7 +340,8 @@ class Durable:
 
     steps: tuple[int, ...] = ()
     skipped: tuple[int, ...] = ()
-    fingerprints: Mapping[int, int] = field(default_factory=dict)  # data parallel: step -> replicated state's CRC
+    fingerprints: Mapping[int, int] = field(default_factory=dict)  # data parallel: step -> replicated state's hash
+    audits: Mapping[int, tuple[int, int]] = field(default_factory=dict)  # sliced: step -> (rank, its piece's hash)
 
 
 def commit_step(committed: int | None, reports: Mapping[int, Durable]) -> Decision[int]:
@@ -358,49 +358,6 @@ def commit_step(committed: int | None, reports: Mapping[int, Durable]) -> Decisi
 def abandoned_steps(committed: int | None, reports: Mapping[int, Durable]) -> list[int]:
     """Steps some rank skipped: no rank needs to keep them, since they can never be committed."""
     return sorted({s for r in reports.values() for s in r.skipped if committed is None or s > committed})
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Data-parallel replicas that should be bit-identical are not: at `step`, each group of ranks holds
-    one fingerprint of its parameters and optimizer state; `agreed` is the last step checked equal."""
-
-    step: int
-    groups: tuple[tuple[int, ...], ...]  # the largest group first
-    agreed: int | None
-
-
-@dataclass(frozen=True)
-class ReplicaCheck:
-    agreed: int | None  # the newest step whose fingerprints every rank reported equal
-    divergence: Divergence | None
-    reason: str
-
-
-DIVERGENCE_CAUSES = (
-    "state the training step keeps outside what DeadPool snapshots (a Python counter driving the learning "
-    "rate, a prefetched batch: assign it in the step function with `nonlocal`/`global`, or register it), "
-    "randomness from a generator DeadPool does not know, or an update that depends on the rank")
-
-
-def check_replicas(agreed: int | None, reports: Mapping[int, Durable]) -> ReplicaCheck:
-    """Compares, step by step after `agreed`, the fingerprints every rank reported; stops at the first
-    step where they differ."""
-    if not reports or any(not r.fingerprints for r in reports.values()):
-        return ReplicaCheck(agreed, None, "no fingerprints to compare")
-    common = sorted(set.intersection(*(set(r.fingerprints) for r in reports.values())))
-    for step in (s for s in common if agreed is None or s > agreed):
-        groups: dict[int, list[int]] = {}
-        for rank in sorted(reports):
-            groups.setdefault(reports[rank].fingerprints[step], []).append(rank)
-        if len(groups) > 1:
-            ordered = tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: (-len(g), g)))
-            others = " and ".join(f"ranks {list(g)}" for g in ordered[1:])
-            return ReplicaCheck(agreed, Divergence(step, ordered, agreed),
-                                f"at step {step}, {others} hold different parameters and optimizer state "
-                                f"than ranks {list(ordered[0])} (last checked equal: step {agreed})")
-        agreed = step
-    return ReplicaCheck(agreed, None, f"replicas equal up to step {agreed}")
 
 
 # ---- restore -------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ class Coordinator:
             durable = plane.poll_all([keys.durable(gen, r) for r in world], records.Durable)
             procs = [p for p in state.plan.ranks if p not in state.fenced]
             beats = plane.poll_all([keys.heartbeat(p) for p in procs], Heartbeat)
-            return {"durable": {r: Durable() if d is None else Durable(d.steps, d.skipped, d.fingerprints)
+            return {"durable": {r: Durable() if d is None else Durable(d.steps, d.skipped, d.fingerprints, d.audits)
                                 for r, d in enumerate(durable)},  # no report yet: nothing held
                     "beats": {p: beat for p, beat in zip(procs, beats) if beat is not None}}
         if state.phase is Phase.AWAIT_READY:

@@ -64,6 +64,9 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                    help="when replication falls behind: wait for it, or skip the snapshot")
     p.add_argument("--on-divergence", choices=("stop", "warn"), default="stop",
                    help="when data-parallel replicas stop being bit-identical: stop the job, or warn and go on")
+    p.add_argument("--slices", choices=("on", "off"), default="on",
+                   help="data parallel: each rank snapshots and replicates only its 1/N slice of the replicated "
+                        "state (on, the default), or all of it (off)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds Python's, NumPy's and torch's RNGs (plus the rank) in init(), and PYTHONHASHSEED")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
@@ -129,7 +132,7 @@ def job_config(args: argparse.Namespace, script: str, script_args: list[str], ru
                   backend=args.backend, gpus_per_node=args.gpus_per_node, deterministic=args.deterministic,
                   snapshot_every=args.snapshot_every, snapshot_budget=args.snapshot_budget,
                   replicas=args.replicas, backlog_policy=args.backlog_policy, on_divergence=args.on_divergence,
-                  seed=args.seed,
+                  slices=args.slices == "on", seed=args.seed,
                   settle_s=args.settle_window, hang_timeout_s=args.hang_timeout,
                   silence_timeout_s=args.silence_timeout, persist_dir=args.persist_dir,
                   persist_every=args.persist_every, persist_interval_s=args.persist_interval, keep=args.keep,

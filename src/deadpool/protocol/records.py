@@ -196,14 +196,16 @@ class Device(Record):
 class Durable(Record):
     """The snapshot steps rank `rank` holds durably in generation `gen` (local copy + every holder's ack),
     the ones it skipped (--backlog-policy skip), and under data parallelism each step's fingerprint of the
-    replicated state. Key g{g}/durable/{rank}. Writer: the rank's snapshot engine. Reader: the coordinator
-    (commits); no report yet reads as none held."""
+    replicated state: the hash of all of it, or sliced (runtime/pieces.py) of the rank's own piece, with an
+    audit (piece, hash of that piece of the rank's live state). Key g{g}/durable/{rank}. Writer: the rank's
+    snapshot engine. Reader: the coordinator (commits, the divergence check); no report yet reads as none held."""
 
     gen: int
     rank: int
     steps: tuple[int, ...]
     skipped: tuple[int, ...]
     fingerprints: Mapping[int, int] = field(default_factory=dict)
+    audits: Mapping[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,6 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from deadpool.runtime.state import ALIGN
-
 try:
     import xxhash
 except ImportError:
@@ -58,9 +56,10 @@ def int64(value: int) -> int:
 
 
 class Digest:
-    """One streaming pass over a slot's bytes, fed in order. The hash of the first `lead_nbytes` (the
-    data-parallel fingerprint: it must equal the other ranks') is read off on the way; the whole checksum
-    continues over the rest and then the metadata, which is what a holder computes over what it receives."""
+    """One streaming pass over the bytes a slot holds (slots.held_ranges), fed in order. The hash of the first
+    `lead_nbytes` (the data-parallel fingerprint: the whole replicated state, or this rank's piece of it) is
+    read off on the way; the whole checksum continues over the rest and then the metadata, which is what a
+    holder computes over what it receives."""
 
     def __init__(self, lead_nbytes: int = 0, hasher: Hasher | None = None) -> None:
         self._hasher = hasher or new_hasher()
@@ -85,13 +84,18 @@ class Digest:
         return self.lead, int64(self._hasher.intdigest())
 
 
-def copy_hashed(sources: Sequence[tuple[torch.Tensor, int]], buffer: torch.Tensor, lead_nbytes: int, *,
-                behind: bool = True, non_blocking: bool = False, midway: Callable[[], None] = lambda: None,
-                settle: Callable[[], None] = lambda: None) -> Digest:
-    """Copies each (flat uint8 source, offset) into `buffer` in order of offset, in CHUNK pieces, and with
-    `behind` hashes the buffer right behind the copy, so each byte is read from memory once: the hash reads
-    what the copy just wrote, from cache. Padding is zeroed: every data-parallel rank must hash equal bytes in the
-    lead region, and the disk tier stores tensors, not padding, so a slot read back from disk hashes the same.
+Source = tuple[torch.Tensor, int, int]  # (flat uint8 bytes, offset in the slot, end of its zeroed padding)
+
+
+def copy_hashed(sources: Sequence[Source], buffer: torch.Tensor, ranges: Sequence[tuple[int, int]],
+                lead_nbytes: int, *, behind: bool = True, non_blocking: bool = False,
+                midway: Callable[[], None] = lambda: None, settle: Callable[[], None] = lambda: None) -> Digest:
+    """Copies each (flat uint8 source, offset, padded end) into `buffer` in order of offset, in CHUNK pieces,
+    and with `behind` hashes the buffer right behind the copy, so each byte is read from memory once: the hash
+    reads what the copy just wrote, from cache. The hash is fed exactly `ranges` (the byte ranges the snapshot
+    holds, in order: slots.held_ranges), which the sources fill; the first `lead_nbytes` of them make the
+    fingerprint. Padding is zeroed: every data-parallel rank must hash equal bytes in the replicated state, and
+    the disk tier stores tensors, not padding, so a slot read back from disk hashes the same.
 
     `midway` runs before the middle source (a fault point); `settle` once everything is copied, before the
     rest is hashed (a device copy is synchronized there, and training may go on). Without `behind` (a copy
@@ -99,8 +103,16 @@ def copy_hashed(sources: Sequence[tuple[torch.Tensor, int]], buffer: torch.Tenso
     digest = Digest(lead_nbytes)
     raw = buffer.numpy().data
     hashed = 0
+
+    def hash_to(end: int) -> None:  # feeds the held bytes in [hashed, end)
+        nonlocal hashed
+        for a, b in ranges:
+            if min(b, end) > max(a, hashed):
+                digest.update(raw[max(a, hashed): min(b, end)])
+        hashed = end
+
     ordered = sorted(sources, key=lambda source: source[1])
-    for i, (source, offset) in enumerate(ordered):
+    for i, (source, offset, padded) in enumerate(ordered):
         if i == len(ordered) // 2:
             midway()
         n = source.numel()
@@ -109,10 +121,8 @@ def copy_hashed(sources: Sequence[tuple[torch.Tensor, int]], buffer: torch.Tenso
             end = offset + min(n, start + piece)
             buffer[offset + start: end].copy_(source[start: start + piece], non_blocking=non_blocking)
             if behind and end - hashed >= CHUNK:
-                digest.update(raw[hashed:end])
-                hashed = end
-        if n % ALIGN:
-            buffer[offset + n: offset - (-n // ALIGN) * ALIGN].zero_()
+                hash_to(end)
+        buffer[offset + n: padded].zero_()
     settle()
-    digest.update(raw[hashed:])
+    hash_to(buffer.numel())
     return digest

@@ -17,7 +17,7 @@ from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.plane import Interruptible, PlaneStore
 from deadpool.runtime.replica import ReplicaReceiver
-from deadpool.runtime.slots import Slot
+from deadpool.runtime.slots import Slot, held_ranges
 
 
 class Receiver:
@@ -46,12 +46,16 @@ class Receiver:
                 except ProtocolError as error:
                     ctx.events.emit("replica_rejected", of_rank=self.rank, error=str(error))
                     continue
-                if ctx.faults.should_corrupt(self.rank, slot.step or 0):
-                    slot.buffer[slot.nbytes // 2] ^= 0xFF  # a bit flip in host memory, after the ack
-                held = sum(s.buffer.numel() for s in self.slots)
-                if held != reported:  # the slots grew (the first snapshots): what holding this rank costs
-                    ctx.events.emit("replica_memory", of_rank=self.rank, bytes=held, pinned=slot.pinned)
-                    reported = held
+                ranges = held_ranges(slot.meta, slot.nbytes)
+                if ranges and ctx.faults.should_corrupt(self.rank, slot.step or 0):
+                    start, end = ranges[0]
+                    slot.buffer[(start + end) // 2] ^= 0xFF  # a bit flip in host memory, after the ack
+                allocated = sum(s.buffer.numel() for s in self.slots)
+                if allocated != reported:  # the slots grew (the first snapshots): what holding this rank costs
+                    # `held`: the bytes of it this holder was sent (a data-parallel piece and the private state)
+                    ctx.events.emit("replica_memory", of_rank=self.rank, bytes=allocated, pinned=slot.pinned,
+                                    held=sum(b - a for a, b in ranges))
+                    reported = allocated
         except InterruptedError:
             pass
         except Exception as error:  # the sender died or moved on: its stream is over, the slots stay

@@ -23,6 +23,7 @@ from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
 from deadpool.runtime.persist import Persister, checkpoint_of, load_from_disk, on_disk
+from deadpool.runtime.pieces import gather
 from deadpool.runtime.plane import Interruptible
 from deadpool.runtime.sharded import ShardedModel
 from deadpool.runtime.slots import Slot
@@ -160,13 +161,21 @@ class Member:
 
     def restore(self, step: int) -> None:
         """Loads snapshot `step` into the live state (the step loop's counters too): from this rank's slot or,
-        when no copy of it is in memory (its holders were lost with it), from the checkpoint on disk."""
+        when no copy of it is in memory (its holders were lost with it), from the checkpoint on disk. A slot
+        that holds one piece of the replicated state is made whole first, from the other ranks' pieces
+        (pieces.gather: PeerFailure if one fails meanwhile)."""
         slot = next((s for s in self.engine.slots if s.step == step and s.usable()), None)
         if slot is None:
             slot = self.engine.slots[0]
             path = checkpoint_of(self.ctx.config, step)
             load_from_disk(path, self.rank, slot, self.world_size)
             self.ctx.events.emit("restored_from_disk", step=step, path=str(path))
+        if self.engine.sliced(self.world_size):
+            assert self.watch is not None
+            with self.progress.waiting_for("gather"):
+                took = gather(slot, self.rank, self.world_size, self.device, self.watch.aborted,
+                              self.ctx.config.collective_timeout_s)
+            self.ctx.events.emit("pieces_gathered", step=step, pieces=self.world_size, **took)
         skeleton, tensors, numpy_flags = slot.tensors(self.device)
         load_into(self.tree, unflatten(skeleton, tensors, numpy_flags, one_mesh(self.tree)))
         self.engine.keep_only(step)

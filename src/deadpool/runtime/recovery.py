@@ -3,9 +3,9 @@ survivors (which roll back from their own slots) and takers (spares given a rank
 a replica). An idle spare that holds a taken rank's replica only streams it (spare.py, same helpers).
 
     AWAIT_PLAN --plan g+1 names me--> TRANSFER --my rank's replica is here--> REPORT --ready sent-->
-    AWAIT_TARGET --target C--> JOIN --group g+1 joined--> RESTORE --C loaded--> RESUME --all agree on C--> done
-         ^                       |                          |                                 |
-         +------- abort of g+1 (another failure), or joining or agreeing failed --------------+
+    AWAIT_TARGET --target C--> JOIN --group g+1 joined--> RESTORE --C gathered, loaded--> RESUME --agree on C--> done
+         ^                       |                          |                                       |
+         +------- abort of g+1 (another failure), or joining, gathering or agreeing failed ---------+
 
 The group is joined before the state is restored so that a spare's deadpool.init() returns with the
 default group in place (the script may call torch.distributed at once), while its script builds the
@@ -21,6 +21,7 @@ A process the new plan no longer names has been fenced out: it must stop, never 
 from __future__ import annotations
 
 import enum
+import json
 import threading
 import time
 from typing import Callable, Protocol
@@ -67,7 +68,8 @@ class Member(Protocol):
     def join(self, inc: Incarnation) -> None:
         """Becomes inc's rank: joins its process group (the default group); PeerFailure if a peer fails meanwhile."""
 
-    def restore(self, step: int) -> None: ...
+    def restore(self, step: int) -> None:
+        """Loads `step` into the live state; PeerFailure if a peer fails while the ranks gather their pieces."""
 
     def resume(self, step: int | None) -> None:
         """Checks every rank restored `step`, restarts snapshots; PeerFailure if a peer fails meanwhile.
@@ -141,10 +143,10 @@ class Recovery:
                 self.state = State.RESTORE
         elif self.state is State.RESTORE:
             self.marks["restore"] = time.monotonic()
-            if self.target is not None:
-                member.restore(self.target)
-            self.marks["restored"] = time.monotonic()
-            self.state = State.RESUME
+            target = self.target
+            if target is None or self._attempt(lambda: member.restore(target)):
+                self.marks["restored"] = time.monotonic()
+                self.state = State.RESUME
         elif self.state is State.RESUME:
             if not self._attempt(lambda: member.resume(self.target)):
                 return None
@@ -195,7 +197,8 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
                 ctx.events.emit("replica_rejected", of_rank=rank, step=mismatch.step, source=source,
                                 error=str(mismatch))
             member.take(slots)
-            ctx.events.emit("replica_received", of_rank=rank, source=source)
+            pieces = {s.step: json.loads(s.meta).get("slice") for s in slots if s.step is not None}
+            ctx.events.emit("replica_received", of_rank=rank, source=source, slices=pieces)  # step -> piece held
         elif rank in held:
             member.take(held[rank])
     except (InterruptedError, TimeoutError, PeerFailure) as error:  # stopped, past the deadline, the holder failed

@@ -6,7 +6,8 @@ One group per (rank, holder, generation); the sender is group rank 0, the holder
     Announce at {stream}seq/{n}              ->  wakes (idle waits are on the store: interruptible)
     header [magic, token, gen, step, meta_len, nbytes, digest]  ->  pick the slot to overwrite
     meta (JSON bytes)                        ->
-    data                                     ->  received into the slot's own buffer
+    data: each byte range the slot holds     ->  received into the slot's own buffer, in place
+          (slots.held_ranges: a data-parallel piece and the private state, or all of it)
                                              <-  ack [step, digest, ok]  (recomputed by the holder)
 
 The digest (runtime/digest.py: xxh3_64, or CRC-32 without xxhash) travels as a signed int64.
@@ -26,7 +27,7 @@ from deadpool.protocol.keys import Keys
 from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Announce, Handover
 from deadpool.runtime.plane import PlaneStore
-from deadpool.runtime.slots import Slot, checksum, pick_slot
+from deadpool.runtime.slots import Slot, checksum, held_ranges, pick_slot
 
 MAGIC = 0x44504F4F4C  # "DPOOL"
 HEADER = 7
@@ -70,7 +71,8 @@ class ReplicaSender:
         for tag, tensor in enumerate((header, meta)):
             _wait(self.group.send([tensor], 1, tag), self.timeout_s)
         midway()
-        _wait(self.group.send([slot.data], 1, 2), self.timeout_s)
+        for start, end in held_ranges(slot.meta, slot.nbytes):  # in order on one tag: gloo matches them in order
+            _wait(self.group.send([slot.data[start:end]], 1, 2), self.timeout_s)
         ack = torch.zeros(3, dtype=torch.int64)
         _wait(self.group.recv([ack], 1, 3), self.timeout_s)
         step, digest, ok = ack.tolist()
@@ -106,9 +108,12 @@ class ReplicaReceiver:
                                 f"generation {gen} (expected {self.gen})")
         meta = torch.empty(meta_len, dtype=torch.uint8)
         _wait(self.group.recv([meta], 0, 1), self.timeout_s)
-        slot = self.writing = pick_slot(self.slots, committed())
-        _wait(self.group.recv([slot.reserve(nbytes)], 0, 2), self.timeout_s)
         meta_bytes = meta.numpy().tobytes()
+        ranges = _held(meta_bytes, nbytes, step)
+        slot = self.writing = pick_slot(self.slots, committed())
+        data = slot.reserve(nbytes)
+        for start, end in ranges:
+            _wait(self.group.recv([data[start:end]], 0, 2), self.timeout_s)
         got = checksum(meta_bytes, slot.data)
         ok = int(got == digest)
         if ok:
@@ -118,6 +123,17 @@ class ReplicaReceiver:
         if not ok:
             raise ChecksumMismatch(step, f"replica of snapshot {step} failed its checksum ({got:#x} != {digest:#x})")
         return slot
+
+
+def _held(meta: bytes, nbytes: int, step: int) -> list[tuple[int, int]]:
+    """The byte ranges an arriving snapshot holds, from its metadata (not trusted: it is checked with the data)."""
+    try:
+        ranges = held_ranges(meta, nbytes)
+    except (ValueError, TypeError, AttributeError, IndexError) as error:
+        raise ProtocolError(f"replica of snapshot {step}: unreadable metadata ({error})") from None
+    if any(not 0 <= a < b <= nbytes for a, b in ranges):
+        raise ProtocolError(f"replica of snapshot {step}: held ranges {ranges} outside its {nbytes} bytes")
+    return ranges
 
 
 def send_replica(store: PlaneStore, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float,

@@ -6,8 +6,10 @@ Per snapshot k (training thread | this generation's engine thread):
     capture(k): take the state apart;   |
       copy small mutable parts now      |  wait for a free slot (never the newest committed step)
     forward / backward of step k+1      |  copy stable tensors into it and hash each chunk as it lands
+                                        |    (data parallel: only this rank's piece of them, then audit
+                                        |    another piece of the live ones: pieces.py)
     wait_copied()  <------------------- |  copied              (one pass; on GPU: side stream, then hash)
-    optimizer step k+1                  |  seal, send to holders, await their acks
+    optimizer step k+1                  |  seal, send to holders (what the slot holds), await their acks
                                         |  durable: report g{g}/durable/{rank}; the coordinator commits
 
 The slots outlive generations (they hold what a recovery restores); each generation's thread, events and
@@ -19,7 +21,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,12 @@ from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Commit, Durable
 from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
-from deadpool.runtime.digest import Digest, copy_hashed, hash_name
+from deadpool.runtime.digest import hash_name
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.pieces import audited, copy_in, piece_of
 from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.replica import ReplicaSender
-from deadpool.runtime.slots import Slot, free_slot, make_meta
+from deadpool.runtime.slots import Slot, free_slot, held_ranges, make_meta
 from deadpool.runtime.state import Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
 
@@ -63,7 +65,7 @@ class SnapshotEngine:
         self.cuda = device.type == "cuda"
         self.slots = slots or [Slot(), Slot()]
         self.wait_s = 0.0            # total time the training thread waited for copies
-        self.replicated = False      # data parallel: report fingerprints, which must be equal on every rank
+        self.replicated = False      # data parallel: the stable tensors are equal on every rank (sliced, checked)
         self.costs: list[float] = []  # engine busy seconds per snapshot (copy and hash + replicate)
         self.reported_bytes = 0       # host memory of the slots, as last reported (`slot_memory`)
         self.committed: int | None = None  # the newest commit this rank has seen: what it persists if told to stop
@@ -166,6 +168,11 @@ class SnapshotEngine:
                     self.slots[self.slots.index(run.writing)] = Slot()
             self.ctx.events.emit("snapshot_thread_abandoned", timeout_s=timeout_s, gen=run.inc.generation)
 
+    def sliced(self, world: int) -> bool:
+        """Whether snapshots hold one piece of the replicated state (slices.py): data parallel over more than
+        one rank, unless --slices off. The same on every rank, so the restore's gather is too."""
+        return self.ctx.config.slices and self.replicated and world > 1
+
     def usable_steps(self) -> list[int]:
         return sorted(s.step for s in self.slots if s.usable() and s.step is not None)
 
@@ -196,7 +203,9 @@ class _Run:
         self.error: BaseException | None = None
         self.writing: Slot | None = None
         self.durable: set[int] = set()
-        self.fingerprints: dict[int, int] = {}  # step -> hash of its replicated tensors (parameters, optimizer)
+        self.fingerprints: dict[int, int] = {}  # step -> hash of its replicated tensors (or of its piece of them)
+        self.audits: dict[int, tuple[int, int]] = {}  # sliced: step -> (piece audited, its hash from live tensors)
+        self.taken = 0  # snapshots handed over in this generation: the same count on every rank (audit rotation)
         self.skipped: list[int] = []
         self.thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{inc.generation}", daemon=True)
         self.thread.start()
@@ -260,6 +269,11 @@ class _Run:
 
     def _snapshot(self, job: _Job, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         start = time.monotonic()
+        rank, world, sliced = self.inc.my_rank(), self.inc.world_size, self.engine.sliced(self.inc.world_size)
+        piece = piece_of(job.layout, rank, world) if sliced else None
+        checked = audited(world, self.taken)  # audited by every rank but its owner, whose piece hash stands for it
+        other = piece_of(job.layout, checked, world) if sliced and checked != rank else None
+        self.taken += 1
         slot = self._reserve(job, plane)
         if slot is None:
             self.skipped = (self.skipped + [job.step])[-8:]
@@ -270,9 +284,13 @@ class _Run:
             return
         reserved = time.monotonic()
         self._report_memory()
-        digest = self._copy(job, slot.data)
+        digest, seen = copy_in(job.flat.tensors, job.layout, slot.data, piece, other, stream=self.engine._stream,
+                               ready=job.ready, copied=self.copied.set,
+                               midway=lambda: self.ctx.faults.point("snapshot_copy", job.step))
+        if seen is not None:
+            self.audits[job.step] = (checked, seen)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
-                         self.engine.replicated)
+                         self.engine.replicated, piece)
         fingerprint, whole = digest.finish(meta)
         copied = time.monotonic()
         slot.seal(job.step, meta, whole, trusted=True)
@@ -283,7 +301,8 @@ class _Run:
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - start)
-        self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, slot_wait_s=reserved - start,
+        self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, held=digest.fed,
+                             slice=None if piece is None else list(piece), slot_wait_s=reserved - start,
                              copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
@@ -295,7 +314,7 @@ class _Run:
         self.durable.add(job.step)
         self._report(plane)
         self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders), bytes=slot.nbytes,
-                             send_s=send_s)
+                             held=sum(b - a for a, b in held_ranges(slot.meta, slot.nbytes)), send_s=send_s)
 
     def _reserve(self, job: _Job, plane: ControlPlane) -> Slot | None:
         """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""
@@ -336,35 +355,14 @@ class _Run:
 
     def _report(self, plane: ControlPlane) -> None:
         """Tells the coordinator which steps this rank holds durably (and which it skipped)."""
-        held = sorted(s.step for s in self.engine.slots if s.step in self.durable)
+        steps = sorted(s.step for s in self.engine.slots if s.step in self.durable)
         fingerprints: dict[int, int] = {}
         if self.engine.replicated:
             # a resent snapshot has none: it was compared when it was taken
-            self.fingerprints = fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in held}
-        plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(held),
-                                                  tuple(self.skipped), fingerprints))
-
-    def _copy(self, job: _Job, buffer: torch.Tensor) -> Digest:
-        """Copies every tensor into its place in the slot and hashes it in the same pass (digest.py); on GPU
-        through a side stream into pinned memory, hashed once it has landed. Training may go on (`copied`)
-        as soon as the last byte is in the slot: the hash of the last chunk does not hold it up."""
-        engine = self.engine
-        sources = [(tensor.reshape(-1).view(torch.uint8), offset)
-                   for tensor, (_, _, offset, n) in zip(job.flat.tensors, job.layout.specs)]
-
-        def midway() -> None:
-            self.ctx.faults.point("snapshot_copy", job.step)
-
-        def settle() -> None:
-            if engine._stream is not None:
-                engine._stream.synchronize()
-            self.copied.set()
-
-        with torch.cuda.stream(engine._stream) if engine.cuda else nullcontext():
-            if job.ready is not None and engine._stream is not None:
-                engine._stream.wait_event(job.ready)
-            return copy_hashed(sources, buffer, job.layout.lead_nbytes, behind=not engine.cuda,
-                               non_blocking=engine.cuda, midway=midway, settle=settle)
+            self.fingerprints = fingerprints = {step: fp for step, fp in self.fingerprints.items() if step in steps}
+            self.audits = {step: audit for step, audit in self.audits.items() if step in steps}
+        plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(steps),
+                                                  tuple(self.skipped), fingerprints, dict(self.audits)))
 
     def _connect(self, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:

@@ -11,10 +11,8 @@ from deadpool.coordinator.policy import (
     SCRIPT_ERROR,
     SPARE_AWAITED,
     Decision,
-    Divergence,
     Durable,
     abandoned_steps,
-    check_replicas,
     choose_restore_step,
     classify_exit,
     commit_step,
@@ -449,38 +447,6 @@ def test_nothing_committed_yet():
 def test_no_holdings_at_all():
     assert choose_restore_step(3, {}) == Decision(
         None, "no snapshot at or before committed step 3 is intact on every rank ()")
-
-
-# ---- divergence ------------------------------------------------------------------------------
-
-def _fingerprints(*per_rank: dict[int, int]) -> dict[int, Durable]:
-    return {rank: Durable(steps=tuple(f), fingerprints=f) for rank, f in enumerate(per_rank)}
-
-
-def test_equal_fingerprints_advance_the_checked_step():
-    reports = _fingerprints({4: 7, 5: 9}, {4: 7, 5: 9}, {5: 9})
-    check = check_replicas(None, reports)
-    assert (check.agreed, check.divergence) == (5, None)  # step 4 is not reported by rank 2 any more
-
-
-def test_the_first_differing_step_and_the_groups_are_named():
-    reports = _fingerprints({5: 1, 6: 2, 7: 3}, {5: 1, 6: 8, 7: 8}, {5: 1, 6: 2, 7: 3})
-    check = check_replicas(4, reports)
-    assert check.divergence == Divergence(step=6, groups=((0, 2), (1,)), agreed=5)
-    assert check.agreed == 5
-    assert "at step 6, ranks [1] hold different parameters and optimizer state than ranks [0, 2]" in check.reason
-
-
-def test_steps_checked_before_are_not_checked_again():
-    reports = _fingerprints({5: 1, 6: 2}, {5: 9, 6: 2})  # step 5 differed, and was reported already
-    assert check_replicas(5, reports) == check_replicas(5, reports)
-    assert check_replicas(5, reports).divergence is None and check_replicas(5, reports).agreed == 6
-
-
-def test_without_fingerprints_nothing_is_compared():
-    reports = {0: Durable(steps=(3,)), 1: Durable(steps=(3,))}  # not data parallel
-    check = check_replicas(2, reports)
-    assert (check.agreed, check.divergence) == (2, None)
 
 
 # ---- place_devices -----------------------------------------------------------------------------

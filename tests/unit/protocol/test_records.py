@@ -76,7 +76,7 @@ EVERY_RECORD = [
     ScriptError(rank=1, step=3, error="ValueError: boom", taking_over=None, gen=4),
     ScriptError(rank=None, step=None, error="EOFError: Ran out of input", taking_over=4),
     Device(proc="w1", gpu=3),
-    Durable(gen=4, rank=1, steps=(11, 12), skipped=(10,), fingerprints={11: 7, 12: 2**63 - 1}),
+    Durable(gen=4, rank=1, steps=(11, 12), skipped=(10,), fingerprints={11: 7, 12: 2**63 - 1}, audits={12: (3, -5)}),
     Ready(gen=5, rank=0, steps=(12,)),
     Resumed(gen=5, rank=0, step=12),
     Announce(gen=5, step=13),

@@ -8,14 +8,21 @@ import xxhash
 
 from deadpool.runtime import digest as digest_module
 from deadpool.runtime.digest import Crc32, Digest, copy_hashed, int64, new_hasher
+from deadpool.runtime.pieces import sources
+from deadpool.runtime.slices import held
 from deadpool.runtime.slots import Slot, checksum
 from deadpool.runtime.state import Layout
 
 
 def layout_sources(tensors, lead):
     layout = Layout.of(tensors, lead=lead)
-    sources = [(t.reshape(-1).view(torch.uint8), offset) for t, (_, _, offset, _) in zip(tensors, layout.specs)]
-    return layout, sources
+    return layout, sources(tensors, layout, None)
+
+
+def copy(sources, buffer, layout, **options):
+    """A whole snapshot's copy: every byte of the slot held, the lead region's hash read off."""
+    ranges = held(layout.lead_nbytes, layout.nbytes, None)
+    return copy_hashed(sources, buffer, ranges, layout.lead_nbytes, **options)
 
 
 def rank_state(private: int):
@@ -34,7 +41,7 @@ def test_one_pass_equals_the_hash_of_the_whole_bytes(small_chunks):
     tensors, lead = rank_state(private=1)
     layout, sources = layout_sources(tensors, lead)
     buffer = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8)  # padding outside the lead: as it is
-    fingerprint, whole = copy_hashed(sources, buffer, layout.lead_nbytes).finish(b"{}")
+    fingerprint, whole = copy(sources, buffer, layout).finish(b"{}")
     raw = buffer.numpy().tobytes()
     assert whole == int64(xxhash.xxh3_64_intdigest(raw + b"{}")) == checksum(b"{}", buffer)
     assert fingerprint == int64(xxhash.xxh3_64_intdigest(raw[:layout.lead_nbytes]))
@@ -50,7 +57,7 @@ def test_fingerprint_is_equal_for_equal_lead_regions_whatever_the_buffers_held(s
         tensors, lead = rank_state(private=rank)
         layout, sources = layout_sources(tensors, lead)
         buffer = torch.full((layout.nbytes,), 7 * rank + 1, dtype=torch.uint8)
-        results.append(copy_hashed(sources, buffer, layout.lead_nbytes).finish(b"m"))
+        results.append(copy(sources, buffer, layout).finish(b"m"))
     (fp0, whole0), (fp1, whole1) = results
     assert fp0 == fp1 and whole0 != whole1
 
@@ -58,16 +65,16 @@ def test_fingerprint_is_equal_for_equal_lead_regions_whatever_the_buffers_held(s
 def test_a_changed_lead_byte_changes_the_fingerprint():
     tensors, lead = rank_state(private=0)
     layout, sources = layout_sources(tensors, lead)
-    fp = copy_hashed(sources, torch.empty(layout.nbytes, dtype=torch.uint8), layout.lead_nbytes).finish(b"")[0]
+    fp = copy(sources, torch.empty(layout.nbytes, dtype=torch.uint8), layout).finish(b"")[0]
     tensors[0][3] += 1
-    assert copy_hashed(sources, torch.empty(layout.nbytes, dtype=torch.uint8), layout.lead_nbytes).finish(b"")[0] != fp
+    assert copy(sources, torch.empty(layout.nbytes, dtype=torch.uint8), layout).finish(b"")[0] != fp
 
 
 def test_corruption_after_sealing_is_detected():
     tensors, lead = rank_state(private=0)
     layout, sources = layout_sources(tensors, lead)
     slot = Slot()
-    _, whole = copy_hashed(sources, slot.reserve(layout.nbytes), layout.lead_nbytes).finish(b"{}")
+    _, whole = copy(sources, slot.reserve(layout.nbytes), layout).finish(b"{}")
     slot.seal(3, b"{}", whole)
     assert slot.intact()
     slot.buffer[layout.nbytes // 2] ^= 0xFF
@@ -107,8 +114,8 @@ def test_midway_and_settle_run_once_in_order():
     tensors, lead = rank_state(private=0)
     layout, sources = layout_sources(tensors, lead)
     calls = []
-    copy_hashed(sources, torch.empty(layout.nbytes, dtype=torch.uint8), layout.lead_nbytes,
-                midway=lambda: calls.append("midway"), settle=lambda: calls.append("settle"))
+    copy(sources, torch.empty(layout.nbytes, dtype=torch.uint8), layout,
+         midway=lambda: calls.append("midway"), settle=lambda: calls.append("settle"))
     assert calls == ["midway", "settle"]
 
 
@@ -116,5 +123,5 @@ def test_without_behind_the_buffer_is_hashed_after_settle():
     tensors, lead = rank_state(private=0)
     layout, sources = layout_sources(tensors, lead)
     a, b = (torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(2))
-    assert (copy_hashed(sources, a, layout.lead_nbytes, behind=False).finish(b"")
-            == copy_hashed(sources, b, layout.lead_nbytes).finish(b""))
+    assert (copy(sources, a, layout, behind=False).finish(b"")
+            == copy(sources, b, layout).finish(b""))

@@ -1,0 +1,145 @@
+"""A data-parallel rank's piece of the replicated state at work: what the snapshot engine copies, the audit
+of another rank's piece that keeps the divergence check whole, and the gather that makes a restored slot whole.
+
+Where the pieces lie is slices.py (pure); this module moves and hashes their bytes.
+
+    snapshot k, rank r of N:  copy + hash piece r and the private state (one pass)  -> piece hash P_r(k)
+                              unless r == j = k mod N: hash piece j of the live tensors (no copy) -> A_r(k)
+    coordinator:              A_r(k) == P_j(k) for every rank r != j (divergence.check_replicas)
+    restore of step C:        N broadcasts over the new group, piece i from rank i, into every slot
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from deadpool.runtime.comms import collective
+from deadpool.runtime.digest import CHUNK, Digest, Source, copy_hashed, int64, new_hasher
+from deadpool.runtime.slices import cuts, held, spans
+from deadpool.runtime.slots import Slot
+from deadpool.runtime.state import ALIGN, Layout
+
+Piece = tuple[int, int]
+
+
+def piece_of(layout: Layout, rank: int, world: int) -> Piece:
+    """Rank's piece of the lead region when the replicated state is cut among `world` ranks."""
+    c = cuts(layout, world)
+    return c[rank], c[rank + 1]
+
+
+def audited(world: int, taken: int) -> int:
+    """The piece every rank but its owner audits in the `taken`-th snapshot of a generation (counted alike on
+    every rank): each of the N pieces in turn, so that each snapshot compares N opinions of one piece (a
+    majority names the odd rank out) and every N snapshots compare all of the replicated state."""
+    return taken % world
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _rows(layout: Layout, piece: Piece) -> list[tuple[int, int, int, bool]]:
+    """(tensor index, first byte, end byte, whether the tensor's padding follows) of the piece's rows."""
+    out = []
+    for i, first, last in spans(layout, *piece):
+        _, shape, _, nbytes = layout.specs[i]
+        row = nbytes // (shape[0] if shape else 1)
+        out.append((i, first * row, last * row, last * row == nbytes))
+    return out
+
+
+def sources(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece | None) -> list[Source]:
+    """What a snapshot copies (digest.copy_hashed): the rows of `piece` (None: every lead tensor whole) and
+    every private tensor, as flat bytes with their place in the slot and the end of their zeroed padding."""
+    lead = layout.lead_nbytes
+    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    out: list[Source] = []
+    for i, start, end, last in _rows(layout, piece or (0, lead)):
+        offset, nbytes = layout.specs[i][2], layout.specs[i][3]
+        out.append((flat[i][start:end], offset + start, offset + (_padded(nbytes) if last else end)))
+    for i, (_, _, offset, nbytes) in enumerate(layout.specs):
+        if offset >= lead:
+            out.append((flat[i], offset, offset + _padded(nbytes)))
+    return out
+
+
+def copy_in(tensors: Sequence[torch.Tensor], layout: Layout, buffer: torch.Tensor, piece: Piece | None,
+            other: Piece | None, *, stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None,
+            copied: Callable[[], None], midway: Callable[[], None]) -> tuple[Digest, int | None]:
+    """One snapshot: copies `piece` of the replicated state (None: all of it) and the private tensors into
+    their places in the slot and hashes them in the same pass (digest.copy_hashed); on GPU through `stream`
+    (after the training stream's `ready`) into pinned memory, hashed once it has landed. Then it audits piece
+    `other` of the live tensors, which the next optimizer step will change: training may go on (`copied`)
+    once that is done and the last byte is in the slot; the hash of the last chunk does not hold it up.
+    Returns the digest and the audit's hash (None without `other`)."""
+    seen: list[int] = []
+
+    def settle() -> None:
+        if stream is not None:
+            stream.synchronize()
+        if other is not None:
+            seen.append(audit(tensors, layout, other))
+        copied()
+
+    ranges = held(layout.lead_nbytes, layout.nbytes, piece)
+    lead = layout.lead_nbytes if piece is None else piece[1] - piece[0]
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        if ready is not None and stream is not None:
+            stream.wait_event(ready)
+        digest = copy_hashed(sources(tensors, layout, piece), buffer, ranges, lead, behind=stream is None,
+                             non_blocking=stream is not None, midway=midway, settle=settle)
+    return digest, seen[0] if seen else None
+
+
+def audit(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece) -> int:
+    """The hash of `piece` of this rank's live replicated state, fed the very byte stream its owner's snapshot
+    hashes (rows, then zero padding), so it equals the owner's piece hash exactly when the bytes are equal.
+    Read straight from the tensors: no copy into a slot (from a GPU, staged to the host chunk by chunk)."""
+    hasher = new_hasher()
+    for i, start, end, last in _rows(layout, piece):
+        data = tensors[i].reshape(-1).view(torch.uint8)
+        for a in range(start, end, CHUNK):
+            chunk = data[a: min(end, a + CHUNK)]
+            hasher.update((chunk.cpu() if chunk.is_cuda else chunk).numpy().data)
+        if last:
+            nbytes = layout.specs[i][3]
+            hasher.update(bytes(_padded(nbytes) - nbytes))
+    return int64(hasher.intdigest())
+
+
+def gather(slot: Slot, rank: int, world: int, device: torch.device, interrupted: Callable[[], bool],
+           timeout_s: float) -> dict[str, float]:
+    """Makes the lead region of `slot` whole: rank i broadcasts piece i over the default group, straight from
+    and into each slot's own bytes (no second copy of the state in memory; through one piece-sized buffer on
+    the GPU, since NCCL moves device memory). Every rank of the generation calls it with the same step; a
+    peer's failure or the generation's abort raises PeerFailure (comms.collective), bounded by `timeout_s`."""
+    meta = json.loads(slot.meta)
+    layout = Layout(Layout.from_json(meta["tensors"], slot.nbytes).specs, slot.nbytes, meta["lead"])
+    c = cuts(layout, world)
+    assert "slice" not in meta or tuple(meta["slice"]) == c[rank: rank + 2], "a slot of another rank's piece"
+    start = time.monotonic()
+    stage = torch.empty(max(b - a for a, b in zip(c, c[1:])), dtype=torch.uint8, device=device) \
+        if device.type == "cuda" else None
+    received = 0
+    for owner, (a, b) in enumerate(zip(c, c[1:])):
+        if b == a:
+            continue
+        view = slot.buffer[a:b]
+        wire = view if stage is None else stage[: b - a]
+        if stage is not None and owner == rank:
+            wire.copy_(view)
+        collective(partial(dist.broadcast, wire, src=owner, async_op=True), interrupted, timeout_s,
+                   f"gathering piece {owner} of snapshot {slot.step}")
+        if owner != rank:
+            if stage is not None:
+                view.copy_(wire)
+            received += b - a
+    return {"received": received, "seconds": time.monotonic() - start}

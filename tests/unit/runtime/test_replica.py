@@ -1,0 +1,55 @@
+"""Tests for deadpool/runtime/replica.py over a real store and gloo pair group: a sliced snapshot crosses as
+the byte ranges it holds, and the holder checks it over exactly those."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from tests.plane import control_plane
+
+from deadpool.config import JobConfig
+from deadpool.runtime.context import connect
+from deadpool.runtime.pieces import copy_in, piece_of
+from deadpool.runtime.plane import PlaneStore
+from deadpool.runtime.replica import ReplicaReceiver, ReplicaSender
+from deadpool.runtime.slots import Slot, make_meta
+from deadpool.runtime.state import Layout
+
+
+def sliced_slot(rank: int, world: int) -> tuple[Slot, Layout]:
+    tensors = [torch.randn(40, 5, generator=torch.Generator().manual_seed(1)), torch.full((3,), float(rank))]
+    layout = Layout.of(tensors, lead=[True, False])
+    piece = piece_of(layout, rank, world)
+    slot = Slot()
+    digest, _ = copy_in(tensors, layout, slot.reserve(layout.nbytes), piece, None, stream=None, ready=None,
+                        copied=lambda: None, midway=lambda: None)
+    meta = make_meta(4, None, layout, [False, False], [False, False], [True, False], True, piece)
+    slot.seal(4, meta, digest.finish(meta)[1], trusted=True)
+    return slot, layout
+
+
+def test_a_sliced_snapshot_crosses_as_its_piece_and_private_state(tmp_path):
+    slot, layout = sliced_slot(rank=1, world=3)
+    start, end = piece_of(layout, 1, 3)
+    with control_plane(tmp_path) as (_, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        held = [Slot(), Slot()]
+        for empty in held:
+            empty.reserve(layout.nbytes).fill_(0xEE)  # what the holder had there: bytes no stream writes
+        received: list[Slot] = []
+
+        def hold() -> None:
+            receiver = ReplicaReceiver(PlaneStore(connect(config)), "pair/", "t", 0, held, timeout_s=20)
+            received.append(receiver.receive_one(lambda: None, lambda: False))
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        ReplicaSender(PlaneStore(connect(config)), "pair/", "t", 0, timeout_s=20).send(slot)
+        holder.join(20)
+    [got] = received
+    assert (got.step, got.digest, got.meta) == (slot.step, slot.digest, slot.meta) and got.intact()
+    assert torch.equal(got.data[start:end], slot.data[start:end])
+    assert torch.equal(got.data[layout.lead_nbytes:], slot.data[layout.lead_nbytes:])
+    outside = torch.cat([got.data[:start], got.data[end: layout.lead_nbytes]])
+    assert outside.numel() and bool((outside == 0xEE).all())  # the other ranks' pieces never crossed
