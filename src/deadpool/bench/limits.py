@@ -1,8 +1,10 @@
 """The copy limit: this machine's memcpy, hash and loopback bandwidths, and the every-step cost they bound.
 
 A snapshot every step moves, per step and all ranks together: `copied` bytes into the slots (each rank's
-snapshot once), `sent` bytes to the holders (snapshot x holders), `hashed` bytes (the sender hashes what it
-copies, each holder what it receives: copied + sent). The lower bound on what that costs a step is its CPU
+snapshot once: under slices its piece of the replicated state and its own state), `sent` bytes to the holders
+(that x holders), `hashed` bytes (the sender hashes what it copies, each holder what it receives, and under
+slices every rank but one also hashes one other piece in place, the divergence check's audit: copied + sent
++ audited). The lower bound on what that costs a step is its CPU
 time at this machine's one-core bandwidths, spread over every core (training keeps them all busy, so the
 snapshot's CPU time is taken from it, at best evenly):
 
@@ -75,10 +77,11 @@ def traffic(events: list[dict[str, Any]], first_step: int, last_step: int) -> Tr
     (a step's snapshot runs during the next step). Events from before `hash` was recorded used CRC-32."""
     snapshots = [e for e in events if e["event"] == "snapshot" and first_step - 1 <= e["step"] < last_step]
     steps = last_step - first_step + 1
-    copied = sum(e["bytes"] for e in snapshots) / steps
-    sent = sum(e["bytes"] * len(e["holders"]) for e in snapshots) / steps
+    copied = sum(e.get("held", e["bytes"]) for e in snapshots) / steps  # sliced: a rank's piece and its own state
+    sent = sum(e.get("held", e["bytes"]) * len(e["holders"]) for e in snapshots) / steps
+    audited = sum(e.get("audited", 0) for e in snapshots) / steps  # sliced: another piece, hashed in place
     name = snapshots[0].get("hash", "crc32") if snapshots else hash_name()
-    return Traffic(copied=copied, hashed=copied + sent, sent=sent, hash_name=name)
+    return Traffic(copied=copied, hashed=copied + sent + audited, sent=sent, hash_name=name)
 
 
 def _best(run: Callable[[], object], nbytes: int, repeats: int = 3) -> float:

@@ -1,9 +1,10 @@
 """`deadpool bench overhead`: the failure-free cost of fault tolerance, DeadPool's against DCP's.
 
-For every model size and number of ranks (a cell), the example GPT trains under six variants:
+For every model size and number of ranks (a cell), the example GPT trains under seven variants:
 
   deadpool-off       DeadPool, snapshots off                        (the baseline of the DeadPool variants)
-  deadpool-every-1   DeadPool, a snapshot every step (replicated to the spare)
+  deadpool-every-1   DeadPool, a snapshot every step (replicated to the spare; each rank its slice)
+  deadpool-every-1-whole  the same with --slices off: every rank copies and sends its whole state
   deadpool-auto      DeadPool, `auto`: the densest interval within the 1 % budget
   dcp-off            torchrun + DDP, no checkpoint                  (the baseline of the DCP variants)
   dcp-sync           torchrun + DDP, dcp.save every --ckpt-every steps
@@ -94,6 +95,7 @@ class Variant:
     system: str  # "deadpool" or "torchrun-dcp"
     snapshot_every: int | str | None = None  # DeadPool's --snapshot-every
     save: str | None = None  # DCP: None (no checkpoint), "sync" or "async"
+    slices: bool = True  # DeadPool's --slices
 
     @property
     def baseline(self) -> str:
@@ -103,6 +105,7 @@ class Variant:
 VARIANTS = {v.name: v for v in (
     Variant("deadpool-off", "deadpool", snapshot_every=0),
     Variant("deadpool-every-1", "deadpool", snapshot_every=1),
+    Variant("deadpool-every-1-whole", "deadpool", snapshot_every=1, slices=False),
     Variant("deadpool-auto", "deadpool", snapshot_every="auto"),
     Variant("dcp-off", "torchrun-dcp"),
     Variant("dcp-sync", "torchrun-dcp", save="sync"),
@@ -290,7 +293,8 @@ def run_variant(variant: Variant, size: Size, ranks: int, steps: int, args: argp
         assert variant.snapshot_every is not None
         config = JobConfig(script=str(EXAMPLE), script_args=(*script_args, "--log-every", "1000", "--parallel",
                                                              args.parallel), workers=ranks,
-                           spares=args.spares, run_dir=str(run_dir), snapshot_every=variant.snapshot_every)
+                           spares=args.spares, run_dir=str(run_dir), snapshot_every=variant.snapshot_every,
+                           slices=variant.slices)
         code, summary = launch(config, echo=None)
         if code != 0:
             raise RuntimeError(f"run {run_dir} failed: {summary['error']}")

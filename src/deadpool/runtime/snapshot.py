@@ -300,8 +300,9 @@ class _Run:
             self._replicate(slot, holder, store, senders)
         self.durable.add(job.step)
         self._report(plane)
-        self.engine.costs.append(time.monotonic() - start)
+        self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, held=digest.fed,
+                             audited=0 if other is None else other[1] - other[0],
                              slice=None if piece is None else list(piece), slot_wait_s=reserved - start,
                              copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))

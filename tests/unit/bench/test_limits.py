@@ -39,6 +39,14 @@ def test_bytes_per_step_count_every_rank_and_holder_in_the_window():
     assert traffic([snapshot(0, 6, 10, ["s0"])], 6, 9).hash_name == "crc32"  # events from before xxHash
 
 
+def test_sliced_snapshots_count_what_they_hold_and_the_audit_they_hash():
+    """Under slices a rank copies and sends its piece and own state (`held`), and hashes one other piece
+    in place (`audited`, 0 on the rank that owns the audited piece)."""
+    events = [snapshot(r, 5, 400, ["s0"], held=110, audited=0 if r == 0 else 100) for r in range(4)]
+    assert traffic(events, first_step=6, last_step=6) == Traffic(copied=440, hashed=440 + 440 + 300, sent=440,
+                                                                 hash_name="crc32")
+
+
 def step(rank: int, step: int, t: float) -> dict:
     return {"event": "step", "rank": rank, "step": step, "t": t, "dur_s": 1.0}
 

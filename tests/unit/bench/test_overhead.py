@@ -115,6 +115,7 @@ def test_summary_ratios_against_each_systems_own_baseline_with_spread():
     variants = list(VARIANTS.values())
     rounds = {"deadpool-off": [run(1.0), run(2.0), run(1.5)],
               "deadpool-every-1": [run(3.0, 0.1)] * 3,
+              "deadpool-every-1-whole": [run(4.5, 0.1)] * 3,
               "deadpool-auto": [run(1.5, 0.0, 7), run(1.5, 0.0, 8), run(1.5, 0.0, 7)],
               "dcp-off": [run(2.0)] * 3,
               "dcp-sync": [run(3.0, 0.2), run(2.5, 0.1), run(4.0, 0.3)],
@@ -124,6 +125,7 @@ def test_summary_ratios_against_each_systems_own_baseline_with_spread():
     off = rows["deadpool-off"]
     assert (off["median_step_s"], off["ratio"], off["min_step_s"], off["max_step_s"]) == (1.5, 1.0, 1.0, 2.0)
     assert (rows["deadpool-every-1"]["ratio"], rows["deadpool-every-1"]["baseline"]) == (2.0, "deadpool-off")
+    assert rows["deadpool-every-1-whole"]["ratio"] == 3.0
     assert rows["deadpool-auto"]["chosen_every"] == [7, 8, 7]
     sync = rows["dcp-sync"]
     assert (sync["median_step_s"], sync["ratio"], sync["baseline"]) == (3.0, 1.5, "dcp-off")
