@@ -13,7 +13,7 @@ from deadpool.errors import ConfigError
 FAULT_KINDS = ("kill", "kill_node", "hang", "error", "corrupt_replica")
 # Phases of no step (given as step 0): start-up, in deadpool.init() and before snapshot 0 is committed; and a
 # holder's hand-over of a replica to the spare taking its rank over, in a recovery.
-STEP_ZERO_PHASES = ("init", "setup", "handover")
+STEP_ZERO_PHASES = ("init", "setup", "handover", "handover_data")
 FAULT_PHASES = ("step_start", "forward", "backward", "after_optimizer", "snapshot_copy", "replicate", "recovery",
                 *STEP_ZERO_PHASES)
 BACKLOG_POLICIES = ("wait", "skip")
@@ -36,10 +36,12 @@ class Fault:
     the training script (a bug, not a node failure); `corrupt_replica` flips a byte of the replica
     of that rank's snapshot `step` in its holder's memory (phase is ignored). Phase `recovery`
     fires while the rank recovers from another failure that struck during `step` (once the new
-    plan names it, before it reports its snapshots). Three phases have no step (step 0): `init` fires in
+    plan names it, before it reports its snapshots). Four phases have no step (step 0): `init` fires in
     deadpool.init() before the rank joins its group, `setup` in session.run() just before snapshot 0 is taken,
-    and `handover` in the holder of `rank`'s replica the first time it streams it to the spare taking the rank
-    over, once it announced the stream (the taker waits for it) and before it connects.
+    `handover` in the holder of `rank`'s replica the first time it streams it to the spare taking the rank
+    over, once it announced the stream (the taker waits for it) and before it connects, and `handover_data`
+    there once the two are connected, the first snapshot's header sent and its data not (the taker is
+    receiving).
     """
 
     kind: str

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from deadpool.config import Fault
 
 from .conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, alive, job_events, run_job
@@ -161,13 +163,16 @@ def test_with_no_spare_left_the_newest_commit_is_persisted_and_the_command_to_go
     assert [e["step"] for e in events if e["event"] == "checkpoint_persisted"] == [step]
 
 
-def test_a_holder_killed_as_it_hands_a_replica_over_leaves_its_taker_free_to_restore_from_disk(tmp_path, reference):
+@pytest.mark.parametrize("phase", ["handover", "handover_data"])
+def test_a_holder_killed_as_it_hands_a_replica_over_leaves_its_taker_free_to_restore_from_disk(tmp_path, reference,
+                                                                                             phase):
     """Ranks 0 and 3 die together; their holder s0 takes rank 0 and starts streaming rank 3's replica to s1,
-    and dies then (a planned fault), with s1 waiting for the stream. The abort releases s1; no copy of ranks 0
-    and 3 is left in memory, so s1 and s2 take them from the newest checkpoint, every rank restores it in
-    place, and the run is bit for bit the reference."""
+    and dies then (a planned fault): before the two connect, with s1 waiting for the stream (`handover`), or
+    connected, with s1 receiving the first snapshot (`handover_data`). The abort (or the broken stream)
+    releases s1; no copy of ranks 0 and 3 is left in memory, so s1 and s2 take them from the newest
+    checkpoint, every rank restores it in place, and the run is bit for bit the reference."""
     job = Background(tmp_path / "run", spares=3, persist_dir=str(tmp_path / "ckpt"), persist_every=2,
-                     faults=(Fault(kind="kill", rank=3, step=0, phase="handover"),),
+                     faults=(Fault(kind="kill", rank=3, step=0, phase=phase),),
                      script=SCRIPTS / "slow_steps.py", script_prefix=("0.4",))  # time to act after a checkpoint
     job.wait_for(lambda e: e["event"] == "checkpoint_persisted" and e["step"] >= 2)
     plan = [e for e in job.events() if e["event"] == "plan_published"][-1]
@@ -177,7 +182,7 @@ def test_a_holder_killed_as_it_hands_a_replica_over_leaves_its_taker_free_to_res
     done = job.join()
     assert done.code == 0, done.summary["error"]
     [fault] = done.named("fault_injected")
-    assert (fault["proc"], fault["target_rank"], fault["phase"]) == ("s0", 3, "handover")
+    assert (fault["proc"], fault["target_rank"], fault["phase"]) == ("s0", 3, phase)
     assert [(e["proc"], e["of_rank"]) for e in done.named("transfer_failed")] == [("s1", 3)]  # released
     [decided] = done.named("restore_decided")
     assert decided["from_disk"] and [r["replaced"] for r in done.summary["recoveries"]] == [{"0": "s1", "3": "s2"}]

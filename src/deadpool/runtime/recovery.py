@@ -220,7 +220,8 @@ def hand_over(ctx: Context, inc: Incarnation, rank: int, slots: list[Slot]) -> N
     try:
         sent = send_replica(Interruptible(PlaneStore(client), over), inc.transfer_prefix(rank), ctx.config.token,
                             inc.generation, slots, ctx.config.collective_timeout_s,
-                            lambda: ctx.faults.point("handover", 0, rank=rank))
+                            lambda: ctx.faults.point("handover", 0, rank=rank),
+                            lambda: ctx.faults.point("handover_data", 0, rank=rank))
         ctx.events.emit("replica_handed_over", of_rank=rank, to=inc.plan.ranks[rank], snapshots=sent)
     except Exception as error:  # the taker died or the generation moved on: the coordinator decides what next
         ctx.events.emit("handover_failed", of_rank=rank, error=str(error).splitlines()[0] if str(error) else "")

@@ -137,20 +137,21 @@ def _held(meta: bytes, nbytes: int, step: int) -> list[tuple[int, int]]:
 
 
 def send_replica(store: PlaneStore, prefix: str, token: str, gen: int, slots: list[Slot], timeout_s: float,
-                 announced: Callable[[], None] = lambda: None) -> int:
+                 announced: Callable[[], None] = lambda: None, midway: Callable[[], None] = lambda: None) -> int:
     """Recovery, holder -> taker: streams every snapshot of one rank it holds to the process taking it over,
     unchecked: the taker checks each on arrival anyway (the one pass over the bytes a transfer needs) and
     keeps only those that pass. Returns how many the taker accepted. `announced` runs once the taker knows how
-    many come, before the two connect (a planned fault: the holder dies while its taker waits for it)."""
+    many come, before the two connect (a planned fault: the holder dies while its taker waits for it);
+    `midway` before the first snapshot's data (a planned fault: the holder dies while its taker receives)."""
     sealed = sorted((s for s in slots if s.step is not None), key=lambda s: s.step or 0)
     ControlPlane(store.client).put(Keys.handover(prefix), Handover(gen, len(sealed)))
     accepted = 0
     if sealed:
         announced()
         sender = ReplicaSender(store, prefix, token, gen, timeout_s)
-        for slot in sealed:
+        for i, slot in enumerate(sealed):
             try:
-                sender.send(slot)
+                sender.send(slot, midway if i == 0 else lambda: None)
                 accepted += 1
             except ProtocolError:  # corrupted in the holder's memory: the taker dropped it and reports the rest
                 pass
