@@ -33,7 +33,7 @@ def test_fault_accepts_every_catalog_phase(phase):
      "fault kind 'explode' is not one of ('kill', 'kill_node', 'hang', 'error', 'corrupt_replica')"),
     (dict(kind="kill", rank=0, step=1, phase="sideways"),
      "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', 'after_optimizer', "
-     "'snapshot_copy', 'replicate', 'recovery', 'init', 'setup', 'handover')"),
+     "'snapshot_copy', 'replicate', 'recovery', 'init', 'setup', 'handover', 'handover_data')"),
     (dict(kind="kill", rank=-1, step=1), "fault needs rank >= 0 and step >= 1, got rank=-1 step=1"),
     (dict(kind="kill", rank=0, step=0), "fault needs rank >= 0 and step >= 1, got rank=0 step=0"),
     (dict(kind="kill", rank=0, step=1, phase="init"),
