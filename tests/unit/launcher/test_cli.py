@@ -30,7 +30,7 @@ def test_parse_faults(text, faults):
 
 FORMAT = ("expected KIND:RANK[+RANK...]:STEP[:PHASE], e.g. kill:2:15:backward or kill:0+2:15 "
           "(phases: step_start, forward, backward, after_optimizer, snapshot_copy, replicate, recovery, init, setup, "
-          "handover)")
+          "handover, handover_data)")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -45,7 +45,7 @@ FORMAT = ("expected KIND:RANK[+RANK...]:STEP[:PHASE], e.g. kill:2:15:backward or
     ("kill:1:0", "fault needs rank >= 0 and step >= 1, got rank=1 step=0"),
     ("kill:1:2:sideways", "fault phase 'sideways' is not one of ('step_start', 'forward', 'backward', "
                           "'after_optimizer', 'snapshot_copy', 'replicate', 'recovery', 'init', 'setup', "
-                          "'handover')"),
+                          "'handover', 'handover_data')"),
 ])
 def test_parse_faults_rejects(text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(message)}$"):
