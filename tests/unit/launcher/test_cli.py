@@ -125,7 +125,8 @@ def test_job_config_validates_timeout_order():
 
 
 @pytest.mark.parametrize("argv, complaint", [
-    (["run", "--fault", "kill:9", "train.py"], "argument --fault: --fault 'kill:9': expected KIND:RANK[+RANK...]:STEP[:PHASE]"),
+    (["run", "--fault", "kill:9", "train.py"],
+     "argument --fault: --fault 'kill:9': expected KIND:RANK[+RANK...]:STEP[:PHASE]"),
     (["run", "--fault", "nap:0:1", "train.py"], "argument --fault: fault kind 'nap' is not one of"),
     (["run", "--snapshot-every", "often", "train.py"], "argument --snapshot-every: --snapshot-every must be"),
     (["run", "--backend", "mpi", "train.py"], "argument --backend: invalid choice: 'mpi'"),
