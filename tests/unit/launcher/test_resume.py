@@ -44,4 +44,5 @@ def test_a_sharded_checkpoint_resumes_only_on_as_many_workers() -> None:
 
 def test_another_seed_is_refused() -> None:
     manifest = _manifest(2, "replicated", JobConfig(script="train.py", run_dir="run", workers=2, seed=7))
-    assert "another script or --seed" in (misfits(manifest, JobConfig(script="train.py", run_dir="run", workers=2)) or "")
+    now = JobConfig(script="train.py", run_dir="run", workers=2)
+    assert "another script or --seed" in (misfits(manifest, now) or "")
