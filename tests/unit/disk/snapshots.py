@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -123,3 +127,13 @@ def sliced_slots(step: int = 7, world: int = 3) -> tuple[list[Slot], list[Slot],
 def slot_tensors(slot: Slot) -> list[torch.Tensor]:
     meta = json.loads(slot.meta)
     return [slot.data[o:o + n].view(getattr(torch, d)).reshape(s).clone() for d, s, o, n in meta["tensors"]]
+
+
+def plain_load(path: Path, out: Path) -> None:
+    """Runs plain_load.py on checkpoint `path` in a process that cannot import deadpool (no PYTHONPATH): what
+    torch's own tools make of it lands in `out` (model.pt)."""
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "plain_load.py"), str(path), str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

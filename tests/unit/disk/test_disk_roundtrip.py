@@ -1,20 +1,14 @@
 """Tests for deadpool/disk write.py, finish.py and read.py together: real slots, real DCP, real files."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from tests.unit.disk.snapshots import Box, replicated_slots, seal, sharded_slots, slot_tensors
+from tests.unit.disk.snapshots import Box, plain_load, replicated_slots, seal, sharded_slots, slot_tensors
 
 from deadpool.disk import Identity, finalize, newest, read_rank, step_dir, tmp_dir, verify, write_part
 from deadpool.runtime.slots import checksum
 from deadpool.runtime.state import flatten
-
-HERE = Path(__file__).parent
 
 
 def identity(slot, world=2) -> Identity:
@@ -53,11 +47,7 @@ def test_a_plain_torch_process_loads_the_model_and_converts_the_checkpoint(tmp_p
     included) and dcp_to_torch_save, both equal to rank 0's snapshot bit for bit."""
     path, slots, _ = checkpoint(tmp_path / "ckpt")
     out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, str(HERE / "plain_load.py"), str(path), str(out)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    plain_load(path, out)
     ours = slot_tensors(slots[0])
     skeleton = json.loads(slots[0].meta)["skeleton"]
     model_nodes = dict(skeleton["d"])["model"]["d"]

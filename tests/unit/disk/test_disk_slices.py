@@ -3,16 +3,13 @@ holding only its piece of the same replicated state write one checkpoint that to
 each rank its whole snapshot back, every byte checked."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from tests.unit.disk.plain_model import Tiny
-from tests.unit.disk.snapshots import Box, data_parallel_tree, slice_of, sliced_slots, slot_tensors
+from tests.unit.disk.snapshots import Box, data_parallel_tree, plain_load, slice_of, sliced_slots, slot_tensors
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -21,8 +18,6 @@ from deadpool.errors import CheckpointError
 from deadpool.runtime.persist import load_from_disk
 from deadpool.runtime.slots import Slot, checksum
 from deadpool.runtime.state import flatten, load_into, state_sha256, unflatten
-
-HERE = Path(__file__).parent
 
 
 def write_all(root, slots, step=7, writers=None):
@@ -146,11 +141,7 @@ def test_a_plain_torch_process_loads_a_sliced_checkpoint(tmp_path):
     slots, wholes, trees = sliced_slots(world=3)
     path = write_all(tmp_path / "ckpt", slots, writers={"s0": [0], "w1": [1, 2]})
     out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, str(HERE / "plain_load.py"), str(path), str(out)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    plain_load(path, out)
     loaded = torch.load(out / "model.pt")
     assert set(loaded) == set(trees[0]["model"].state_dict())
     for name, tensor in trees[0]["model"].state_dict().items():
