@@ -7,11 +7,18 @@ The disk is trusted as far as DCP's own metadata loading goes (DCP unpickles `.m
 and every file is checked against its xxh3-128 hash before it is read.
 """
 
+import warnings
+
 from deadpool.disk.chunks import Chunk, RankChunks, chunk_rank, meta_key, private_key
 from deadpool.disk.finish import finalize, prune
 from deadpool.disk.manifest import Identity, compatible, listing, step_dir, tmp_dir
-from deadpool.disk.read import newest, read_rank, verify
+from deadpool.disk.read import newest, read_rank, read_resharded, verify
 from deadpool.disk.write import write_part
 
 __all__ = ["Chunk", "Identity", "RankChunks", "chunk_rank", "compatible", "finalize", "listing", "meta_key", "newest",
-           "private_key", "prune", "read_rank", "step_dir", "tmp_dir", "verify", "write_part"]
+           "private_key", "prune", "read_rank", "read_resharded", "step_dir", "tmp_dir", "verify", "write_part"]
+
+# Every process writes and reads its own part on purpose (DCP's no_dist): DCP would warn of it at every call,
+# in every rank's output. Only that warning is silenced.
+warnings.filterwarnings("ignore", category=UserWarning, message=r"torch\.distributed is (disabled, )?unavailable or "
+                        r"uninitialized, assuming the intent is to (save|load) in a single process")

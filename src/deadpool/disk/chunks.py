@@ -166,13 +166,20 @@ def shard_of(node: dict, shape: tuple[int, ...], rank: int, world_size: int,
     if dim == "R":
         return None
     full = tuple(sharded["shape"])
-    size = -(-full[dim] // world_size)
-    start = min(rank * size, full[dim])
-    expected = full[:dim] + (min(size, full[dim] - start),) + full[dim + 1:]
+    start, rows = shard_rows(full[dim], rank, world_size)
+    expected = full[:dim] + (rows,) + full[dim + 1:]
     if shape != expected:
         raise ValueError(f"{fqn}: rank {rank}'s shard has shape {list(shape)}, {list(expected)} expected for "
                          f"Shard({dim}) of {list(full)} over {world_size} ranks")
     return full, tuple(start if d == dim else 0 for d in range(len(full)))
+
+
+def shard_rows(length: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first row, number of rows) of rank's shard of `length` rows over world_size ranks, as torch.chunk cuts
+    them (FSDP2's Shard layout): each ceil(length / world_size) rows, the last ones fewer or none."""
+    size = -(-length // world_size)
+    start = min(rank * size, length)
+    return start, min(size, length - start)
 
 
 def stable_shapes(meta: dict[str, Any]) -> dict[str, list[int]]:

@@ -10,8 +10,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from deadpool.disk.chunks import meta_key, private_key, tensor_paths
+from deadpool.disk.chunks import meta_key, private_key, shard_rows, tensor_paths
 from deadpool.disk.manifest import (
     FORMATS,
     MANIFEST,
@@ -25,6 +29,7 @@ from deadpool.disk.manifest import (
 )
 from deadpool.errors import CheckpointError
 from deadpool.runtime.slots import checksum
+from deadpool.runtime.state import Layout
 
 
 def verify(path: str | os.PathLike) -> str | None:
@@ -80,9 +85,7 @@ def read_rank(path: str | os.PathLike, rank: int) -> tuple[bytes, torch.Tensor]:
     if manifest is None or str(rank) not in manifest.get("ranks", {}):
         raise CheckpointError(f"{path} holds no snapshot of rank {rank}")
     entry = manifest["ranks"][str(rank)]
-    meta_t = torch.empty(entry["meta_bytes"], dtype=torch.uint8)
-    dcp.load({meta_key(rank): meta_t}, checkpoint_id=path, no_dist=True)
-    meta = meta_t.numpy().tobytes()
+    meta = _meta(path, entry, rank)
     parsed = json.loads(meta)
     where = tensor_paths(parsed["skeleton"]) if "slice" in parsed else {}
     buffer = torch.zeros(entry["nbytes"], dtype=torch.uint8)
@@ -104,3 +107,67 @@ def read_rank(path: str | os.PathLike, rank: int) -> tuple[bytes, torch.Tensor]:
                                   f"state (rank {other}'s slice) do not match the hash they were written with")
     del parsed["slice"]
     return json.dumps(parsed).encode(), buffer
+
+
+def read_resharded(path: str | os.PathLike, source: int, rank: int, world_size: int) -> tuple[bytes, torch.Tensor]:
+    """Rank `rank` of a job of `world_size` workers, from a checkpoint of sharded (FSDP) state that another
+    number of workers wrote (verify it first): its shard of every sharded tensor cut anew as FSDP cuts it for
+    `world_size` (torch.chunk's rows), read from whichever saved shards overlap it (DCP's resharding), and
+    everything else (unsharded tensors, own state: RNGs, data position) as rank `source` had it. Returns the
+    metadata and bytes of the slot this rank would have held, laid out for its new shapes."""
+    path = Path(path)
+    manifest = read_json(path / MANIFEST)
+    if manifest is None or str(source) not in manifest.get("ranks", {}):
+        raise CheckpointError(f"{path} holds no snapshot of rank {source}")
+    parsed = json.loads(_meta(path, manifest["ranks"][str(source)], source))
+    where = tensor_paths(parsed["skeleton"])
+    keys, shapes, regions = [], [], {}
+    for i, (dtype, shape, _, _) in enumerate(parsed["tensors"]):
+        sharded = where[i][0][1].get("D")
+        if sharded is None or sharded["placements"] == ["R"]:
+            keys.append(private_key(source, i))
+            shapes.append(torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+            continue
+        dim, full = sharded["placements"][0], list(sharded["shape"])
+        first, full[dim] = shard_rows(full[dim], rank, world_size)
+        keys.append(".".join(where[i][0][0]))
+        regions[keys[-1]] = tuple(first if d == dim else 0 for d in range(len(full)))
+        shapes.append(torch.empty(full, dtype=getattr(torch, dtype), device="meta"))
+    layout = Layout.of(shapes, lead=parsed["stable"])
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    views = {keys[i]: buffer[offset: offset + n].view(getattr(torch, dtype)).reshape(shape)
+             for i, (dtype, shape, offset, n) in enumerate(layout.specs) if n}
+    dcp.load(views, checkpoint_id=path, planner=_RegionPlanner(regions), no_dist=True)
+    parsed.update(tensors=layout.to_json(), nbytes=layout.nbytes, lead=layout.lead_nbytes)
+    return json.dumps(parsed).encode(), buffer
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Reads each key into a plain tensor that is the region of its global tensor at `regions[key]` (offsets;
+    none: the whole tensor), from every saved chunk that overlaps it."""
+
+    def __init__(self, regions: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.regions = regions
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items = []
+        for key, tensor in self.state_dict.items():
+            saved = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(saved, TensorStorageMetadata):
+                raise CheckpointError(f"the checkpoint holds no tensor {key}")
+            offsets = self.regions.get(key, (0,) * tensor.dim())
+            region = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
+            items += create_read_items_for_chunk_list(key, saved, [region])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the region itself: DCP's offsets within it are relative to it
+
+
+def _meta(path: Path, entry: dict[str, Any], rank: int) -> bytes:
+    """Rank's snapshot metadata, as its slot held it."""
+    meta = torch.empty(entry["meta_bytes"], dtype=torch.uint8)
+    dcp.load({meta_key(rank): meta}, checkpoint_id=path, no_dist=True)
+    return meta.numpy().tobytes()

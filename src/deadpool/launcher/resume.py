@@ -51,24 +51,24 @@ def resolve(config: JobConfig, skipped: Callable[[Path, str], None]) -> tuple[Pa
 
 def misfits(manifest: dict, config: JobConfig) -> str | None:
     """What the launcher can tell of a checkpoint that does not fit the job (the ranks check the shapes when they
-    load it): the config it was written under, and another world size for sharded (FSDP) state."""
-    diffs = []
-    if manifest["world_size"] != config.workers and manifest["identity"]["parallelism"] != "replicated":
-        diffs.append(f"world size {manifest['world_size']} in the checkpoint, {config.workers} now (--workers): "
-                     "a sharded (FSDP) checkpoint resumes on as many workers as wrote it")
+    load it): the config it was written under."""
     if manifest["identity"]["config_hash"] != config.config_hash():
-        diffs.append("it was written by another script or --seed")
-    return "; ".join(diffs) or None
+        return "it was written by another script or --seed"
+    return None
 
 
 def reshard_note(manifest: dict, config: JobConfig) -> str | None:
-    """What a data-parallel job resumed on another number of workers should know (None: the same number)."""
+    """What a job resumed on another number of workers should know (None: the same number)."""
     saved = manifest["world_size"]
     if saved == config.workers:
         return None
-    return (f"the checkpoint was written by {saved} workers, this job has {config.workers}: every rank loads the "
-            f"shared parameters and optimizer state, and rank r the own state (RNGs, data position) of rank "
-            f"r mod {saved}; the run goes on, but not bit for bit as the {saved}-worker job would have")
+    shared = ("every rank loads the shared parameters and optimizer state"
+              if manifest["identity"]["parallelism"] == "replicated" else
+              f"every rank loads its shard of the parameters and optimizer state, cut anew for {config.workers} "
+              "workers from the saved shards")
+    return (f"the checkpoint was written by {saved} workers, this job has {config.workers}: {shared}, and rank r "
+            f"the own state (RNGs, data position) of rank r mod {saved}; the run goes on, but not bit for bit as "
+            f"the {saved}-worker job would have")
 
 
 def discard_newer(config: JobConfig, step: int) -> None:

@@ -109,29 +109,26 @@ class Persister:
 
 
 def source_rank(manifest: dict, rank: int, world_size: int) -> int:
-    """Whose snapshot in a checkpoint `rank` of a job of `world_size` loads: its own, or, when data-parallel
-    workers of another number wrote it (`--resume` only), rank mod their number: the parameters and optimizer
-    state are every rank's, the own state (RNGs, data position) is that rank's. Sharded state cannot be cut
-    anew this way: CheckpointError."""
-    saved = int(manifest["world_size"])
-    if saved == world_size:
-        return rank
-    if manifest["identity"]["parallelism"] != "replicated":
-        raise CheckpointError(f"the checkpoint holds sharded (FSDP) state of {saved} workers and this job has "
-                              f"{world_size}: resume it on {saved} workers")
-    return rank % saved
+    """Whose own state (RNGs, data position) in a checkpoint `rank` of a job of `world_size` loads: its own, or,
+    when another number of workers wrote it (`--resume` only), that of rank mod their number. The parameters
+    and optimizer state are every rank's (data parallel) or cut anew into this job's shards (FSDP)."""
+    return rank % int(manifest["world_size"])
 
 
 def load_from_disk(path: Path, rank: int, slot: Slot, world_size: int) -> int:
     """Loads rank's snapshot from checkpoint `path` into `slot` (trusted: the checkpoint's files were checked
     against its manifest); returns its step."""
-    from deadpool.disk import read_rank
+    from deadpool.disk import read_rank, read_resharded
     from deadpool.disk.manifest import MANIFEST, read_json
 
     manifest = read_json(path / MANIFEST)
     if manifest is None:
         raise CheckpointError(f"{path} has no readable {MANIFEST}")
-    meta, data = read_rank(path, source_rank(manifest, rank, world_size))
+    source = source_rank(manifest, rank, world_size)
+    if manifest["world_size"] != world_size and manifest["identity"]["parallelism"] == "sharded":
+        meta, data = read_resharded(path, source, rank, world_size)
+    else:
+        meta, data = read_rank(path, source)
     buffer = slot.reserve(data.numel())
     buffer.copy_(data)
     step = int(json.loads(meta)["step"])
@@ -174,6 +171,6 @@ def check_fits(path: Path, tree: dict[str, Stateful]) -> None:
 
 def describe_misfit(path: str, error: Exception) -> CheckpointError:
     """A checkpoint whose state does not load into this job's (names check_fits cannot see: those only the
-    checkpoint has). The job is refused (exit 2), as for a checkpoint of another world size."""
+    checkpoint has). The job is refused (exit 2), as for another --seed."""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return CheckpointError(f"cannot resume from {path}: it holds the state of another job ({first})")

@@ -3,7 +3,6 @@
 import pytest
 
 from deadpool.config import JobConfig
-from deadpool.errors import CheckpointError
 from deadpool.launcher.resume import misfits, reshard_note, resume_command
 from deadpool.runtime.persist import source_rank
 
@@ -33,12 +32,13 @@ def test_a_data_parallel_checkpoint_resumes_on_another_number_of_workers() -> No
     assert reshard_note(_manifest(3, "replicated", config), config) is None
 
 
-def test_a_sharded_checkpoint_resumes_only_on_as_many_workers() -> None:
+def test_a_sharded_checkpoint_resumes_on_another_number_of_workers_with_its_shards_cut_anew() -> None:
     config = JobConfig(script="train.py", run_dir="run", workers=3)
     manifest = _manifest(2, "sharded", config)
-    assert "world size 2 in the checkpoint, 3 now" in (misfits(manifest, config) or "")
-    with pytest.raises(CheckpointError, match="resume it on 2 workers"):
-        source_rank(manifest, 0, 3)
+    assert misfits(manifest, config) is None
+    assert "its shard of the parameters and optimizer state, cut anew for 3 workers" in (reshard_note(manifest, config)
+                                                                                         or "")
+    assert [source_rank(manifest, r, 3) for r in range(3)] == [0, 1, 0]
     assert source_rank(_manifest(3, "sharded", config), 2, 3) == 2
 
 
