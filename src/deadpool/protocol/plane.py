@@ -54,6 +54,7 @@ class ControlPlane:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.parsed: dict[object, dict[str, tuple[bytes, object]]] = {}  # kind -> key -> the last (raw, record)
 
     def put(self, key: str, record: Wire) -> None:
         self.store.set(key, record.to_json())
@@ -67,8 +68,17 @@ class ControlPlane:
         return self.poll_all([key], kind)[0]
 
     def poll_all(self, keys: Sequence[str], kind: Kind[T]) -> list[T | None]:
-        """The records at `keys`, None for those not there yet, in one round trip."""
-        return [None if raw is None else _parse(kind, raw) for raw in self.store.peek(list(keys))]
+        """The records at `keys`, None for those not there yet, in one round trip. A record whose bytes have
+        not changed since the last poll of this kind is not parsed again (records are frozen): the coordinator
+        polls every rank's reports every tick, and most have not moved. Only the last poll's are kept."""
+        last = self.parsed.get(kind, {})
+        now: dict[str, tuple[bytes, object]] = {}
+        for key, raw in zip(keys, self.store.peek(list(keys))):
+            if raw is not None:
+                seen = last.get(key)
+                now[key] = seen if seen is not None and seen[0] == raw else (raw, _parse(kind, raw))
+        self.parsed[kind] = now
+        return [now[key][1] if key in now else None for key in keys]  # type: ignore[misc]
 
     def has(self, key: str) -> bool:
         """Whether `key` exists, whatever it holds."""

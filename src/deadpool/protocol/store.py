@@ -57,7 +57,9 @@ def _seconds(timeout: timedelta | float | None, default: float) -> float:
 
 
 class Table:
-    """The store's contents and the one condition every blocking call waits on."""
+    """The store's contents and the one condition every blocking call waits on. Every wait is for keys to
+    exist, so only a key's creation wakes the waiters: rewriting a key (heartbeats, counters, records that
+    move on) wakes nobody, which keeps a busy job's server threads asleep."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
@@ -72,7 +74,13 @@ class Table:
 
     def set(self, key: str, value: str | bytes) -> None:
         with self.changed:
-            self.data[key] = _bytes(value)
+            self._put(key, _bytes(value))
+
+    def _put(self, key: str, value: bytes) -> None:
+        """Stores `value` (the caller holds the lock); wakes the waiters if `key` is new."""
+        new = key not in self.data
+        self.data[key] = value
+        if new:
             self.changed.notify_all()
 
     def wait(self, keys: Iterable[str], timeout: timedelta | float | None = None) -> bool:
@@ -113,8 +121,7 @@ class Table:
     def add(self, key: str, delta: int) -> int:
         with self.changed:
             value = int(self.data.get(key, b"0")) + delta
-            self.data[key] = str(value).encode()
-            self.changed.notify_all()
+            self._put(key, str(value).encode())
             return value
 
     def check(self, keys: list[str]) -> bool:
@@ -126,8 +133,8 @@ class Table:
         with self.changed:
             current = self.data.get(key)
             if current == _bytes(expected) or (current is None and not _bytes(expected)):
-                self.data[key] = current = _bytes(desired)
-                self.changed.notify_all()
+                current = _bytes(desired)
+                self._put(key, current)
             return _bytes(expected) if current is None else current
 
     def delete_key(self, key: str) -> bool:

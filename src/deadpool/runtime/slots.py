@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from dataclasses import dataclass, field
@@ -16,9 +17,17 @@ from deadpool.runtime.state import Layout
 def held_ranges(meta: bytes | dict, nbytes: int) -> list[tuple[int, int]]:
     """The byte ranges of a slot of `nbytes` that its snapshot holds (slices.held): all of them, unless
     the snapshot holds one data-parallel piece of the replicated state."""
-    parsed = json.loads(meta) if isinstance(meta, bytes) else meta
-    piece = parsed.get("slice")
-    return held(parsed.get("lead", 0), nbytes, None if piece is None else (piece[0], piece[1]))
+    if isinstance(meta, bytes):
+        return list(_held_of(meta, nbytes))
+    piece = meta.get("slice")
+    return held(meta.get("lead", 0), nbytes, None if piece is None else (piece[0], piece[1]))
+
+
+@functools.lru_cache(maxsize=16)
+def _held_of(meta: bytes, nbytes: int) -> tuple[tuple[int, int], ...]:
+    """held_ranges of a snapshot's metadata bytes, parsed once: a copy, its hash, each send and each receive
+    of the same snapshot's layout ask again (tens of kB of JSON for a real model)."""
+    return tuple(held_ranges(json.loads(meta), nbytes))
 
 
 def checksum(meta: bytes, data: torch.Tensor) -> int:

@@ -47,6 +47,20 @@ def test_a_record_of_the_wrong_kind_or_not_text_is_a_protocol_error_naming_it(se
         reader.poll("bytes", Commit)
 
 
+def test_a_record_polled_again_unchanged_is_not_parsed_again_and_a_changed_one_is(served):
+    writer, reader = served
+    writer.put("c", Commit(gen=3, step=7, abandoned=()))
+    [first] = reader.poll_all(["c"], Commit)
+    [again] = reader.poll_all(["c"], Commit)
+    assert again is first  # the same bytes: the record parsed last time
+    writer.put("c", Commit(gen=3, step=8, abandoned=()))
+    assert reader.poll_all(["c"], Commit) == [Commit(gen=3, step=8, abandoned=())]
+    writer.store.set("c", b"\xff")  # a malformed rewrite is refused every time, never served from the cache
+    for _ in range(2):
+        with pytest.raises(ProtocolError, match="not text"):
+            reader.poll_all(["c"], Commit)
+
+
 def later(delay: float, action) -> threading.Timer:
     """Runs `action` on a thread after `delay`; join it before the test ends (its client closes then)."""
     timer = threading.Timer(delay, action)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from deadpool.errors import AuthenticationError, ControlPlaneError, StoreTimeout
 from deadpool.protocol import wire
-from deadpool.protocol.store import StoreClient, StoreServer
+from deadpool.protocol.store import StoreClient, StoreServer, Table
 
 SECRET = bytes(range(32))
 
@@ -199,3 +199,27 @@ def test_wait_any_returns_the_first_key_that_exists_and_none_at_its_timeout(serv
     assert client.wait_any(["never"], 0.2) is None
     assert 0.2 <= time.monotonic() - started < 2.0
     client.close()
+
+
+def test_only_a_new_key_wakes_the_waiters_and_a_waiter_still_sees_it():
+    """Every wait is for keys to exist: rewriting a key (a heartbeat, a counter, a record moving on) must not
+    wake the server's blocked threads, and a key's creation by any call must."""
+    table = Table()
+    wakes = []
+    notify_all = table.changed.notify_all
+    table.changed.notify_all = lambda: (wakes.append(1), notify_all())  # type: ignore[method-assign]
+    found: list[str | None] = []
+    waiter = threading.Thread(target=lambda: found.append(table.wait_any(["new"], 10.0)))
+    waiter.start()
+    table.set("hb", b"1")
+    table.add("count", 1)
+    table.compare_set("cas", b"", b"x")
+    assert len(wakes) == 3  # three keys created
+    for _ in range(5):
+        table.set("hb", b"2")
+        table.add("count", 1)
+        table.compare_set("cas", b"x", b"y")
+    assert len(wakes) == 3 and waiter.is_alive()  # rewrites woke nobody
+    table.set("new", b"")
+    waiter.join(5.0)
+    assert found == ["new"] and len(wakes) == 4
