@@ -28,7 +28,7 @@ from deadpool.runtime.plane import Interruptible
 from deadpool.runtime.sharded import ShardedModel
 from deadpool.runtime.slots import Slot
 from deadpool.runtime.snapshot import SnapshotEngine
-from deadpool.runtime.state import Stateful, load_into, one_mesh, unflatten
+from deadpool.runtime.state import Stateful, flatten, load_into, one_mesh, unflatten
 from deadpool.runtime.watch import Progress, Watch
 
 
@@ -162,8 +162,9 @@ class Member:
     def restore(self, step: int) -> None:
         """Loads snapshot `step` into the live state (the step loop's counters too): from this rank's slot or,
         when no copy of it is in memory (its holders were lost with it), from the checkpoint on disk. A slot
-        that holds one piece of the replicated state is made whole first, from the other ranks' pieces
-        (pieces.gather: PeerFailure if one fails meanwhile)."""
+        that holds one piece of the replicated state is made whole first, from the other ranks' pieces or,
+        where they still equal them, from its own live tensors (pieces.gather: PeerFailure if a peer fails
+        meanwhile)."""
         slot = next((s for s in self.engine.slots if s.step == step and s.usable()), None)
         if slot is None:
             slot = self.engine.slots[0]
@@ -174,7 +175,7 @@ class Member:
             assert self.watch is not None
             with self.progress.waiting_for("gather"):
                 took = gather(slot, self.rank, self.world_size, self.device, self.watch.aborted,
-                              self.ctx.config.collective_timeout_s)
+                              self.ctx.config.collective_timeout_s, live=flatten(self.tree))
             self.ctx.events.emit("pieces_gathered", step=step, pieces=self.world_size, **took)
         skeleton, tensors, numpy_flags = slot.tensors(self.device)
         load_into(self.tree, unflatten(skeleton, tensors, numpy_flags, one_mesh(self.tree)))

@@ -6,7 +6,7 @@ Where the pieces lie is slices.py (pure); this module moves and hashes their byt
     snapshot k, rank r of N:  copy + hash piece r and the private state (one pass)  -> piece hash P_r(k)
                               unless r == j = k mod N: hash piece j of the live tensors (no copy) -> A_r(k)
     coordinator:              A_r(k) == P_j(k) for every rank r != j (divergence.check_replicas)
-    restore of step C:        N broadcasts over the new group, piece i from rank i, into every slot
+    restore of step C:        the ranks whose live state is not C's receive the pieces from their owners
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ from __future__ import annotations
 import json
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from deadpool.runtime.comms import collective
+from deadpool.runtime.comms import collective, communicating
 from deadpool.runtime.digest import CHUNK, Digest, Source, copy_hashed, int64, new_hasher
 from deadpool.runtime.slices import cuts, held, spans
 from deadpool.runtime.slots import Slot
-from deadpool.runtime.state import ALIGN, Layout
+from deadpool.runtime.state import ALIGN, Flat, Layout
 
 Piece = tuple[int, int]
 
@@ -116,20 +117,103 @@ def audit(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece) -> int:
 
 
 def gather(slot: Slot, rank: int, world: int, device: torch.device, interrupted: Callable[[], bool],
-           timeout_s: float) -> dict[str, float]:
-    """Makes the lead region of `slot` whole: rank i broadcasts piece i over the default group, straight from
-    and into each slot's own bytes (no second copy of the state in memory; through one piece-sized buffer on
-    the GPU, since NCCL moves device memory). Every rank of the generation calls it with the same step; a
-    peer's failure or the generation's abort raises PeerFailure (comms.collective), bounded by `timeout_s`."""
+           timeout_s: float, live: Flat | None = None) -> dict[str, Any]:
+    """Makes the lead region of `slot` whole, every rank of the generation calling it with the same step; a
+    peer's failure or the generation's abort raises PeerFailure (comms.collective), bounded by `timeout_s`.
+
+    On the CPU the ranks first tell each other, in one all-gather, whether they need anything: a rank whose
+    slot is whole (read from disk) does not, nor one whose `live` state still equals the snapshot piece for
+    piece (a survivor of a failure before its next optimizer step: its hash of each piece of its live tensors
+    equals the piece's owner's hash of its slot), which copies its live tensors into its slot instead. The
+    others (a spare that took a rank, a survivor past the snapshot) receive the pieces: sent point to point by
+    their owners when they are at most half of the ranks, else by N broadcasts. On a GPU the N broadcasts go
+    through one piece-sized buffer on the device, since NCCL moves device memory."""
     meta = json.loads(slot.meta)
     layout = Layout(Layout.from_json(meta["tensors"], slot.nbytes).specs, slot.nbytes, meta["lead"])
     c = cuts(layout, world)
-    assert "slice" not in meta or tuple(meta["slice"]) == c[rank: rank + 2], "a slot of another rank's piece"
+    pieces = list(zip(c, c[1:]))
+    assert "slice" not in meta or tuple(meta["slice"]) == pieces[rank], "a slot of another rank's piece"
     start = time.monotonic()
-    stage = torch.empty(max(b - a for a, b in zip(c, c[1:])), dtype=torch.uint8, device=device) \
+    if device.type == "cuda":
+        return {"received": _broadcasts(slot, pieces, rank, device, interrupted, timeout_s), "mode": "broadcast",
+                "seconds": time.monotonic() - start}
+    usable = live is not None and Layout.of(live.tensors, lead=live.stable).specs == layout.specs
+    mine = torch.zeros(world + 2, dtype=torch.int64)
+    mine[0] = _slot_hash(slot, pieces[rank])
+    mine[1] = 2 if "slice" not in meta else 1 if usable else 0
+    if usable:
+        assert live is not None
+        mine[2:] = torch.tensor([audit(live.tensors, layout, piece) for piece in pieces], dtype=torch.int64)
+    table = [torch.zeros_like(mine) for _ in range(world)]
+    collective(lambda: dist.all_gather(table, mine, async_op=True), interrupted, timeout_s,
+               f"telling which ranks need pieces of snapshot {slot.step}")
+    owners = torch.stack([row[0] for row in table])
+    needy = [r for r, row in enumerate(table) if row[1] == 0 or (row[1] == 1 and not torch.equal(row[2:], owners))]
+    if rank not in needy and "slice" in meta:  # the others' pieces are this rank's live tensors: copied in
+        assert live is not None
+        for owner, piece in enumerate(pieces):
+            if owner != rank:
+                _fill(live.tensors, layout, piece, slot.buffer)
+    if not needy:
+        received, mode = 0, "none"
+    elif 2 * len(needy) <= world:
+        received, mode = _point_to_point(slot, pieces, rank, needy, timeout_s), "point-to-point"
+    else:
+        received, mode = _broadcasts(slot, pieces, rank, device, interrupted, timeout_s), "broadcast"
+    return {"received": received, "mode": mode, "needy": needy, "seconds": time.monotonic() - start}
+
+
+def _slot_hash(slot: Slot, piece: Piece) -> int:
+    """The hash of a piece's bytes in a slot: the stream `audit` hashes from live tensors (rows, then padding)."""
+    hasher = new_hasher()
+    raw = slot.buffer.numpy().data
+    for a in range(piece[0], piece[1], CHUNK):
+        hasher.update(raw[a: min(piece[1], a + CHUNK)])
+    return int64(hasher.intdigest())
+
+
+def _fill(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece, buffer: torch.Tensor) -> None:
+    """Copies `piece` of the live replicated state into its place in a slot, padding zeroed: the bytes its
+    owner's snapshot holds, when the live tensors hash as that snapshot's piece."""
+    for i, start, end, last in _rows(layout, piece):
+        offset, nbytes = layout.specs[i][2], layout.specs[i][3]
+        buffer[offset + start: offset + end].copy_(tensors[i].reshape(-1).view(torch.uint8)[start:end])
+        if last:
+            buffer[offset + nbytes: offset + _padded(nbytes)].zero_()
+
+
+def _point_to_point(slot: Slot, pieces: list[Piece], rank: int, needy: list[int], timeout_s: float) -> int:
+    """Each owner sends its piece to every needy rank, all at once; returns the bytes this rank received.
+    gloo's sends and receives complete only in `wait` (they have no future), bounded by `timeout_s`; an abort
+    shuts the group's connections (comms.abandon_group), which fails the wait at once."""
+    works, received = [], 0
+    with communicating(f"sending the pieces of snapshot {slot.step} to ranks {needy}"):
+        for owner, (a, b) in enumerate(pieces):
+            for taker in needy:
+                if b == a or taker == owner or rank not in (owner, taker):
+                    continue
+                view = slot.buffer[a:b]
+                if rank == owner:
+                    work = dist.isend(view, taker, tag=owner)
+                else:
+                    work = dist.irecv(view, owner, tag=owner)
+                    received += b - a
+                assert work is not None  # every rank is in the default group
+                works.append(work)
+        deadline = time.monotonic() + timeout_s
+        for work in works:
+            work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+    return received
+
+
+def _broadcasts(slot: Slot, pieces: list[Piece], rank: int, device: torch.device, interrupted: Callable[[], bool],
+                timeout_s: float) -> int:
+    """Rank i broadcasts piece i over the default group, straight from and into each slot's own bytes (no second
+    copy of the state in memory; on a GPU through one piece-sized device buffer); returns the bytes received."""
+    stage = torch.empty(max(b - a for a, b in pieces), dtype=torch.uint8, device=device) \
         if device.type == "cuda" else None
     received = 0
-    for owner, (a, b) in enumerate(zip(c, c[1:])):
+    for owner, (a, b) in enumerate(pieces):
         if b == a:
             continue
         view = slot.buffer[a:b]
@@ -142,4 +226,4 @@ def gather(slot: Slot, rank: int, world: int, device: torch.device, interrupted:
             if stage is not None:
                 view.copy_(wire)
             received += b - a
-    return {"received": received, "seconds": time.monotonic() - start}
+    return received

@@ -3,15 +3,20 @@ together, and the audit of another rank's piece from live tensors."""
 
 from __future__ import annotations
 
+import socket
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from deadpool.runtime import digest as digest_module
 from deadpool.runtime.digest import Digest, copy_hashed
-from deadpool.runtime.pieces import audit, audited, copy_in, piece_of, sources
+from deadpool.runtime.pieces import _fill, _slot_hash, audit, audited, copy_in, gather, piece_of, sources
 from deadpool.runtime.slices import held
 from deadpool.runtime.slots import Slot, checksum, held_ranges, make_meta
-from deadpool.runtime.state import Layout
+from deadpool.runtime.state import Flat, Layout
 
 
 def rank_state(rank: int) -> tuple[list[torch.Tensor], list[bool]]:
@@ -110,3 +115,72 @@ def test_the_audit_is_done_before_training_may_change_the_weights() -> None:
                       ready=None, copied=lambda: calls.append("copied"), midway=lambda: calls.append("midway"))
     assert calls == ["midway", "copied"]
     assert seen == snapshot(2, 3)[2]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_slots_piece_hashes_as_its_owners_fingerprint_and_live_pieces_fill_the_rest(world: int) -> None:
+    """What lets a survivor skip the gather: the hash of its slot's piece is its fingerprint, and the others'
+    pieces copied from equal live tensors make the slot's lead region exactly the whole snapshot's."""
+    tensors, stable = rank_state(0)
+    layout = Layout.of(tensors, lead=stable)
+    whole = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    copy_hashed(sources(tensors, layout, None), whole, held(layout.lead_nbytes, layout.nbytes, None),
+                layout.lead_nbytes)
+    for rank in range(world):
+        slot, _, fingerprint, piece = snapshot(rank, world)  # the slot's other bytes are garbage
+        assert _slot_hash(slot, piece) == fingerprint
+        live = rank_state(rank)[0]
+        for j in range(world):
+            if j != rank:
+                _fill(live, layout, piece_of(layout, j, world), slot.buffer)
+        assert torch.equal(slot.data[: layout.lead_nbytes], whole[: layout.lead_nbytes])
+
+
+def _gather_rank(rank: int, world: int, port: int, out: "mp.Queue[tuple]") -> None:
+    """One rank of three gathers, each from fresh sliced slots: only rank 2's live state differs from the
+    snapshot (a spare that took a rank), every rank's does (all past it), and no rank gives its live state."""
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    for scenario, differs in (("taker", rank == 2), ("all past it", True), ("no live state", None)):
+        slot, layout, _, _ = snapshot(rank, world)
+        tensors, stable = rank_state(rank)
+        if differs:
+            tensors = [t + 1 if s else t for t, s in zip(tensors, stable)]
+        live = None if differs is None else Flat(None, tensors, stable, [False] * 7, [False] * 7, [])
+        took = gather(slot, rank, world, torch.device("cpu"), lambda: False, 30.0, live=live)
+        out.put((scenario, rank, took["mode"], took["needy"], took["received"],
+                 bytes(slot.data[: layout.lead_nbytes].numpy())))
+    dist.destroy_process_group()
+
+
+def test_only_the_ranks_whose_live_state_differs_receive_pieces_and_every_slot_ends_whole() -> None:
+    """Real gloo processes: a taker alone gets the pieces point to point (the survivors copy theirs from their
+    live tensors); when most ranks need them, N broadcasts; every slot's replicated region ends exactly the
+    whole snapshot's."""
+    world = 3
+    tensors, stable = rank_state(0)
+    layout = Layout.of(tensors, lead=stable)
+    whole = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    copy_hashed(sources(tensors, layout, None), whole, held(layout.lead_nbytes, layout.nbytes, None),
+                layout.lead_nbytes)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [ctx.Process(target=_gather_rank, args=(rank, world, port, out)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = [out.get(timeout=60) for _ in range(3 * world)]
+    finally:
+        for proc in procs:
+            proc.join(10)
+            proc.kill()
+    pieces = [piece_of(layout, r, world) for r in range(world)]
+    others = [layout.lead_nbytes - (b - a) for a, b in pieces]
+    got = {(scenario, rank): tuple(rest) for scenario, rank, *rest in results}
+    assert all(got[("taker", r)][:3] == ("point-to-point", [2], others[2] if r == 2 else 0) for r in range(world))
+    for scenario in ("all past it", "no live state"):
+        assert all(got[(scenario, r)][:3] == ("broadcast", [0, 1, 2], others[r]) for r in range(world))
+    assert all(rest[3] == bytes(whole[: layout.lead_nbytes].numpy()) for rest in got.values())
