@@ -45,10 +45,10 @@ def test_sigkill_in_any_phase_is_hot_swapped_bit_for_bit(tmp_path, reference, ph
     assert resumed == {rank: recovery["restored_step"] for rank in range(4)}
     assert activated["restored_step"] == recovery["restored_step"] and activated["proc"] == "s0"
     assert {e["gen"] for e in job.named("finished")} == {1}
-    # the gather: survivors whose weights are still the restored step's (killed before their optimizer step 6,
-    # step 5 restored) copy the others' pieces from their live tensors and only the taker receives them
+    # the gather: survivors whose weights are still the restored step's (rank 1 killed before their optimizer
+    # step 6, step 5 restored) copy the others' pieces from their live tensors and only the taker receives them
     restored, lead = recovery["restored_step"], max(e["slice"][1] for e in job.named("snapshot"))
-    needy = [1] if phase != "after_optimizer" and restored == 5 else [0, 1, 2, 3]
+    needy = [1] if phase in ("step_start", "backward") and restored == 5 else [0, 1, 2, 3]
     gathered = {e["rank"]: e for e in job.named("pieces_gathered")}
     piece = {e["rank"]: e["slice"][1] - e["slice"][0] for e in job.named("snapshot") if e["step"] == restored}
     assert sorted(gathered) == [0, 1, 2, 3] and all(e["needy"] == needy for e in gathered.values())
