@@ -149,17 +149,15 @@ def gather(slot: Slot, rank: int, world: int, device: torch.device, interrupted:
                f"telling which ranks need pieces of snapshot {slot.step}")
     owners = torch.stack([row[0] for row in table])
     needy = [r for r, row in enumerate(table) if row[1] == 0 or (row[1] == 1 and not torch.equal(row[2:], owners))]
+    if 2 * len(needy) > world:  # most ranks need the pieces: every rank receives every piece, as before
+        received = _broadcasts(slot, pieces, rank, device, interrupted, timeout_s)
+        return {"received": received, "mode": "broadcast", "needy": needy, "seconds": time.monotonic() - start}
     if rank not in needy and "slice" in meta:  # the others' pieces are this rank's live tensors: copied in
         assert live is not None
         for owner, piece in enumerate(pieces):
             if owner != rank:
                 _fill(live.tensors, layout, piece, slot.buffer)
-    if not needy:
-        received, mode = 0, "none"
-    elif 2 * len(needy) <= world:
-        received, mode = _point_to_point(slot, pieces, rank, needy, timeout_s), "point-to-point"
-    else:
-        received, mode = _broadcasts(slot, pieces, rank, device, interrupted, timeout_s), "broadcast"
+    received, mode = (_point_to_point(slot, pieces, rank, needy, timeout_s), "point-to-point") if needy else (0, "none")
     return {"received": received, "mode": mode, "needy": needy, "seconds": time.monotonic() - start}
 
 
