@@ -18,6 +18,8 @@ from deadpool.runtime.holding import Holdings
 from deadpool.runtime.persist import Persister
 from deadpool.runtime.recovery import hand_over
 
+IDLE_SLICE_S = 1.0  # how long the wait for the next generation blocks in the store per request (it has no give-up)
+
 
 def _warm_up() -> None:
     """Pays now, while idle, for imports that would otherwise land on the recovery's critical path:
@@ -33,6 +35,7 @@ class Standby:
         self.warmup = warmup  # the script's warm-up (deadpool.init(warmup=...)), run once while holding
         self.held = Holdings(ctx)  # kept until no plan needs them
         self.persister = Persister(ctx, lambda rank: self.held.slots.get(rank, []))  # idle: it writes checkpoints
+        self.waits = ctx.own_plane()  # the wait for the next generation blocks in the store: its own client
 
     def run(self) -> tuple[Incarnation, Holdings]:
         """Returns this spare's first incarnation with a rank, and the replicas it holds; exits the
@@ -69,19 +72,22 @@ class Standby:
         self.ctx.events.emit("spare_warmed_up", duration_s=time.monotonic() - start)
 
     def _next_generation(self, gen: int) -> int:
-        """Waits, for as long as the job runs, until the coordinator publishes a generation after `gen`.
-        Once `gen` runs (its recovery is over), replicas of ranks this spare no longer holds are dropped."""
-        ctx, pruned = self.ctx, False
+        """Waits, for as long as the job runs, until the coordinator publishes a generation after `gen`: blocked
+        in the store until the plan of `gen + 1` (or the shutdown) is written, not polling it. Once `gen` runs
+        (its recovery is over), replicas of ranks this spare no longer holds are dropped."""
+        ctx, pruned = self.ctx, gen < 0
         while True:
-            shutdown, published, running = ctx.plane.present([ctx.keys.shutdown(), ctx.keys.generation(),
-                                                               ctx.keys.running(gen)])
-            if shutdown:
+            keys = [ctx.keys.shutdown(), ctx.keys.plan(gen + 1), *([] if pruned else [ctx.keys.running(gen)])]
+            found = self.waits.wait(keys, float("inf"), slice_s=IDLE_SLICE_S)
+            if found == ctx.keys.shutdown():
                 self.held.stop()
                 ctx.events.emit("spare_released")
                 sys.exit(0)
-            if published and ctx.generation() > gen:
-                return ctx.generation()
-            if not pruned and gen >= 0 and running:
+            if found == ctx.keys.running(gen):
                 self.held.keep_only(ctx.plan(gen).held_by(ctx.proc))
                 pruned = True
-            time.sleep(ctx.config.poll_interval_s)
+                continue
+            # the plan is written just before the generation number (coordinator/server._publish)
+            while (published := ctx.generation()) <= gen:
+                time.sleep(ctx.config.poll_interval_s)
+            return published

@@ -96,12 +96,13 @@ class ControlPlane:
         """The counters at `keys`, 0 for those nobody counted yet, in one round trip."""
         return [0 if raw is None else int(raw) for raw in self.store.peek(list(keys))]
 
-    def wait(self, keys: Sequence[str], deadline: float, give_up: Callable[[], bool] = _never) -> str:
+    def wait(self, keys: Sequence[str], deadline: float, give_up: Callable[[], bool] = _never,
+             slice_s: float = SLICE_S) -> str:
         """Blocks until the first of `keys` exists, and returns it. Raises InterruptedError once `give_up()`
-        (asked every SLICE_S: the generation is over, the thread was told to stop) and TimeoutError at
+        (asked every `slice_s`: the generation is over, the thread was told to stop) and TimeoutError at
         `deadline` (time.monotonic()); the store itself wakes the wait as soon as a key is written."""
         while True:
-            found = self.store.wait_any(list(keys), max(0.0, min(SLICE_S, deadline - time.monotonic())))
+            found = self.store.wait_any(list(keys), max(0.0, min(slice_s, deadline - time.monotonic())))
             if found is not None:
                 return found
             if give_up():

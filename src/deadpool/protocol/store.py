@@ -57,80 +57,107 @@ def _seconds(timeout: timedelta | float | None, default: float) -> float:
 
 
 class Table:
-    """The store's contents and the one condition every blocking call waits on. Every wait is for keys to
-    exist, so only a key's creation wakes the waiters: rewriting a key (heartbeats, counters, records that
-    move on) wakes nobody, which keeps a busy job's server threads asleep."""
+    """The store's contents, and the blocked calls waiting for keys to exist. Every wait is for keys to
+    exist, so only a key's creation wakes a waiter, and only the waiters of that key: rewriting a key
+    (heartbeats, counters, records that move on) wakes nobody, and a new key wakes no thread waiting for
+    another (a busy job keeps a dozen server threads blocked: each wake-up costs its GIL)."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
-        self.changed = threading.Condition()
+        self.lock = threading.Lock()
+        self.waiters: dict[str, set[threading.Event]] = {}  # key -> the blocked calls it would wake
         self.closed = False
 
     def close(self) -> None:
         """Releases every call blocked in a wait (each raises): the job is over, no key will come."""
-        with self.changed:
+        with self.lock:
             self.closed = True
-            self.changed.notify_all()
+            for events in self.waiters.values():
+                for event in events:
+                    event.set()
 
     def set(self, key: str, value: str | bytes) -> None:
-        with self.changed:
+        with self.lock:
             self._put(key, _bytes(value))
 
     def _put(self, key: str, value: bytes) -> None:
-        """Stores `value` (the caller holds the lock); wakes the waiters if `key` is new."""
-        new = key not in self.data
+        """Stores `value` (the caller holds the lock); wakes the calls waiting for `key` if it is new."""
+        if key not in self.data:
+            for event in self.waiters.pop(key, ()):
+                event.set()
         self.data[key] = value
-        if new:
-            self.changed.notify_all()
+
+    def _block(self, keys: list[str], ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Waits until `ready()` (asked under the lock) or `timeout_s`; woken only by the creation of one of
+        `keys` (or the store's close, which raises)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                if self.closed:
+                    raise ControlPlaneError("the coordinator's store is closing: the job is over")
+                if ready():
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                event = threading.Event()
+                for key in keys:
+                    self.waiters.setdefault(key, set()).add(event)
+            event.wait(remaining)
+            with self.lock:
+                for key in keys:
+                    waiting = self.waiters.get(key)
+                    if waiting is not None:
+                        waiting.discard(event)
+                        if not waiting:
+                            del self.waiters[key]
 
     def wait(self, keys: Iterable[str], timeout: timedelta | float | None = None) -> bool:
         """True once every key exists, False at the timeout (None: the default of 300 s, as torch's)."""
         keys = list(keys)
-        with self.changed:
-            present = self.changed.wait_for(lambda: self.closed or all(k in self.data for k in keys),
-                                            _seconds(timeout, 300.0))
-            if self.closed:
-                raise ControlPlaneError("the coordinator's store is closing: the job is over")
-            return present
+        return self._block(keys, lambda: all(k in self.data for k in keys), _seconds(timeout, 300.0))
 
     def wait_any(self, keys: list[str], timeout: float) -> str | None:
         """The first of `keys` that exists, once one does; None at the timeout."""
-        with self.changed:
-            self.changed.wait_for(lambda: self.closed or any(k in self.data for k in keys), timeout)
-            if self.closed:
-                raise ControlPlaneError("the coordinator's store is closing: the job is over")
-            return next((k for k in keys if k in self.data), None)
+        found: list[str] = []
+
+        def ready() -> bool:
+            found[:] = [k for k in keys if k in self.data][:1]
+            return bool(found)
+
+        self._block(keys, ready, timeout)
+        return found[0] if found else None
 
     def peek(self, keys: list[str]) -> list[bytes | None]:
         """Each key's value, None for those that do not exist; never blocks."""
-        with self.changed:
+        with self.lock:
             return [self.data.get(k) for k in keys]
 
     def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
         if not self.wait([key], timeout):
             raise StoreTimeout(f"timed out waiting for key {key!r}")
-        with self.changed:
+        with self.lock:
             return self.data[key]
 
     def multi_get(self, keys: list[str], timeout: timedelta | float | None = None) -> list[bytes]:
         if not self.wait(keys, timeout):
             raise StoreTimeout(f"timed out waiting for keys {keys!r}")
-        with self.changed:
+        with self.lock:
             return [self.data[k] for k in keys]
 
     def add(self, key: str, delta: int) -> int:
-        with self.changed:
+        with self.lock:
             value = int(self.data.get(key, b"0")) + delta
             self._put(key, str(value).encode())
             return value
 
     def check(self, keys: list[str]) -> bool:
-        with self.changed:
+        with self.lock:
             return all(k in self.data for k in keys)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """As TCPStore's: sets `desired` if the key holds `expected` (or is absent and `expected` is empty)."""
-        with self.changed:
+        with self.lock:
             current = self.data.get(key)
             if current == _bytes(expected) or (current is None and not _bytes(expected)):
                 current = _bytes(desired)
@@ -138,11 +165,11 @@ class Table:
             return _bytes(expected) if current is None else current
 
     def delete_key(self, key: str) -> bool:
-        with self.changed:
+        with self.lock:
             return self.data.pop(key, None) is not None
 
     def num_keys(self) -> int:
-        with self.changed:
+        with self.lock:
             return len(self.data)
 
 

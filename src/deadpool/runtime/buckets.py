@@ -55,6 +55,7 @@ class _Pass:
     """One backward pass's reduction: gradients still missing per bucket, and the buckets launched so far."""
     task: int  # autograd's id of the pass (a new id: a new pass, even after one that an exception cut short)
     missing: list[int]
+    copied: set[int] = field(default_factory=set)  # parameters whose gradient is in its bucket already
     launched: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # (work, flat bucket), in order
 
 
@@ -72,6 +73,8 @@ class Reducer:
         self.params, self.layout = params, layout
         self.all_reduce, self.wait = all_reduce, wait
         self.bucket_of = {index: b for b, members in enumerate(layout) for index in members}
+        self.offset_of = {index: sum(params[i].numel() for i in members[:k])
+                          for members in layout for k, index in enumerate(members)}
         self.world_size = 1  # set by DataParallel.attach: the divisor
         self.current: _Pass | None = None
         # one flat tensor per bucket, made at its first launch and reused by every pass after (as DDP keeps its
@@ -85,6 +88,7 @@ class Reducer:
             self.current = _Pass(task, [len(members) for members in self.layout])
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
         now = self.current
+        self._copy_in(index, now)
         now.missing[self.bucket_of[index]] -= 1
         while len(now.launched) < len(self.layout) and now.missing[len(now.launched)] == 0:
             self._launch(now)
@@ -95,25 +99,45 @@ class Reducer:
         self.current = None
         self.flats = [None] * len(self.layout)
 
-    def _launch(self, now: _Pass) -> None:
-        """The next bucket: each gradient multiplied by 1 / world size while it is copied in (DDP's arithmetic,
-        the same single rounding as DDP's `mul_out` into its bucket view), then an async sum."""
-        b = len(now.launched)
-        members = self.layout[b]
+    def _flat(self, b: int) -> torch.Tensor:
         flat = self.flats[b]
         if flat is None:
-            first = self.params[members[0]]
-            flat = self.flats[b] = torch.empty(sum(self.params[i].numel() for i in members), dtype=first.dtype,
-                                               device=first.device)
-        offset, scale = 0, 1.0 / self.world_size
-        for i in members:
-            param = self.params[i]
-            view = flat[offset: offset + param.numel()].view_as(param)
-            if param.grad is None:  # unused in this pass: counts as zero, as in the one-shot reduction before
-                view.zero_()
-            else:  # the gradient may be this very view (zero_grad(set_to_none=False)): scaled in place then
-                torch.mul(param.grad, scale, out=view)
-            offset += param.numel()
+            first = self.params[self.layout[b][0]]
+            flat = self.flats[b] = torch.empty(sum(self.params[i].numel() for i in self.layout[b]),
+                                               dtype=first.dtype, device=first.device)
+        return flat
+
+    def _view(self, index: int) -> torch.Tensor:
+        param, offset = self.params[index], self.offset_of[index]
+        return self._flat(self.bucket_of[index])[offset: offset + param.numel()].view_as(param)
+
+    def _copy_in(self, index: int, now: _Pass) -> None:
+        """Parameter `index`'s gradient, just accumulated, times 1 / world size into its place in its bucket
+        (DDP's arithmetic, the same single rounding as DDP's `mul_out` into its bucket view); the gradient
+        then *is* that place (DDP's gradient_as_bucket_view). So autograd's own gradient tensor is freed at
+        once and the next gradient of the pass reuses its memory: held until the end of backward, the
+        pass's gradients were freed together with its activations, and the allocator handed the lot back to
+        the system to fault it in again at the next pass (measured: page faults took ~4 % of a step).
+        The gradient may be this very place already (zero_grad(set_to_none=False)): scaled in place then."""
+        view = self._view(index)
+        grad = self.params[index].grad
+        if grad is not None:
+            torch.mul(grad, 1.0 / self.world_size, out=view)
+            self.params[index].grad = view
+            now.copied.add(index)
+
+    def _launch(self, now: _Pass) -> None:
+        """The next bucket, its gradients copied in: an async sum. A member whose gradient did not come in
+        this pass counts as zero if it has none (as in the one-shot reduction before), and is scaled in
+        from what it holds if it has one (a gradient the script kept from an earlier pass)."""
+        b = len(now.launched)
+        for i in self.layout[b]:
+            if i not in now.copied:
+                if self.params[i].grad is None:
+                    self._view(i).zero_()
+                else:
+                    self._copy_in(i, now)
+        flat = self._flat(b)
         now.launched.append((self.all_reduce(flat), flat))
 
     def _end_of_pass(self) -> None:

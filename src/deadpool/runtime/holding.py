@@ -42,7 +42,8 @@ class Receiver:
                                             ctx.config.collective_timeout_s)
             while not self.stop.is_set():
                 try:
-                    slot = self.receiver.receive_one(lambda: plane.get(key, Commit).step, self.stop.is_set)
+                    slot = self.receiver.receive_one(lambda: plane.get(key, Commit).step, self.stop.is_set,
+                                                     endings=(self.inc.abort_key(), ctx.keys.shutdown()))
                 except ProtocolError as error:
                     ctx.events.emit("replica_rejected", of_rank=self.rank, error=str(error))
                     continue

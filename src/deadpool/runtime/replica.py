@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from deadpool.runtime.slots import Slot, checksum, held_ranges, pick_slot
 
 MAGIC = 0x44504F4F4C  # "DPOOL"
 HEADER = 7
+IDLE_SLICE_S = 0.25  # a holder's wait for the next snapshot, per store request, until its generation or job ends
 
 
 def token_id(token: str) -> int:
@@ -95,11 +96,16 @@ class ReplicaReceiver:
         self.timeout_s = timeout_s
         self.writing: Slot | None = None  # the slot a receive is filling (unsealed until its checksum passes)
 
-    def receive_one(self, committed: Callable[[], int | None], stopped: Callable[[], bool]) -> Slot:
-        """Receives the next snapshot into the slot that does not hold the newest committed step."""
+    def receive_one(self, committed: Callable[[], int | None], stopped: Callable[[], bool],
+                    endings: Sequence[str] = ()) -> Slot:
+        """Receives the next snapshot into the slot that does not hold the newest committed step. `endings`:
+        keys written when whoever stops this receiver is about to (the generation's abort, the job's end)."""
         self.received += 1
-        # idle between snapshots is normal: the wait blocks in the store, asking `stopped` every 50 ms
-        self.plane.wait([Keys.announce(self.prefix, self.received)], float("inf"), give_up=stopped)
+        announce = Keys.announce(self.prefix, self.received)
+        # idle between snapshots is normal: the wait blocks in the store, asking `stopped` once a slice, a long
+        # one while the endings are not written (a few requests a second per held rank), 50 ms once they are
+        if self.plane.wait([announce, *endings], float("inf"), give_up=stopped, slice_s=IDLE_SLICE_S) != announce:
+            self.plane.wait([announce], float("inf"), give_up=stopped)
         header = torch.zeros(HEADER, dtype=torch.int64)
         _wait(self.group.recv([header], 0, 0), self.timeout_s)
         magic, token, gen, step, meta_len, nbytes, digest = header.tolist()

@@ -1,12 +1,13 @@
 """One generation's watch: sees the coordinator abort it, and tells the coordinator this rank is alive.
 
-A thread polls `abort/{g}` every poll interval, so `aborted()` is a free check for the training thread,
-the snapshot engine and any collective being waited on; when it sees the abort it also runs `on_abort`
-(comms.abandon_group: on NCCL it aborts the communicator, on gloo it shuts the group's connections down,
-which releases a training thread blocked in a kernel, a host sync or a synchronous collective of the
-script's own, where no Python check can run). The same thread publishes this rank's heartbeat: a beat counter and the
-training thread's progress (step, phase, whether it waits on peers). The coordinator fences a rank whose
-beat stops (SIGSTOP) or whose progress stops while it does not wait (spinning in the script).
+A thread waits in the store for `abort/{g}` to be written (the store wakes it at once), so `aborted()` is a
+free check for the training thread, the snapshot engine and any collective being waited on; when the
+abort comes it also runs `on_abort` (comms.abandon_group: on NCCL it aborts the communicator, on gloo it
+shuts the group's connections down, which releases a training thread blocked in a kernel, a host sync or
+a synchronous collective of the script's own, where no Python check can run). A second thread publishes
+this rank's heartbeat: a beat counter and the training thread's progress (step, phase, whether it waits on
+peers), looked at every poll interval and sent when it changed. The coordinator fences a rank whose beat
+stops (SIGSTOP) or whose progress stops while it does not wait (spinning in the script).
 
 A Watch lives for one generation of a rank; a Beacon lives as long as the process, from deadpool.init() on,
 and beats whatever the process does: holding replicas as an idle spare, or recovering between two
@@ -22,11 +23,13 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from deadpool.protocol.kinds import Phase
+from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Heartbeat
-from deadpool.runtime.context import Context
+from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 
 BEAT_EVERY_S = 0.1  # heartbeat period when progress does not change (progress changes are sent at once)
+ABORT_SLICE_S = 0.25  # how long the abort wait blocks in the store before asking whether the watch closed
 
 
 class Progress:
@@ -91,6 +94,7 @@ class Watch:
         self._beat = 0
         self._thread = threading.Thread(target=self._run, name=f"deadpool-watch-g{inc.generation}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._await_abort, name=f"deadpool-abort-g{inc.generation}", daemon=True).start()
 
     def aborted(self) -> bool:
         return self._aborted.is_set()
@@ -114,18 +118,36 @@ class Watch:
                 self.ctx.plane.put(self.ctx.keys.heartbeat(self.ctx.proc),
                                    self.progress.pulse(self.inc.generation, self._beat))
 
+    def _await_abort(self) -> None:
+        """Blocks in the store until this generation's abort is written (not a poll: a few requests a second
+        per rank instead of one per poll interval, and the abort is seen at once). A watch closed meanwhile
+        ends it within ABORT_SLICE_S; an abort that comes after the close is not this watch's to act on."""
+        client = connect(self.ctx.config)  # a blocking wait: on a connection of its own, closed when it ends
+        try:
+            plane = ControlPlane(client)
+            plane.wait([self.inc.abort_key()], float("inf"), give_up=self._closed.is_set, slice_s=ABORT_SLICE_S)
+            if not self._closed.is_set():
+                self._aborted.set()
+                self.on_abort()
+        except InterruptedError:  # closed
+            pass
+        except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
+            if not self._closed.is_set():
+                self.ctx.events.emit("watch_ended", error=str(error).splitlines()[0] if str(error) else "")
+        finally:
+            client.close()
+
     def _run(self) -> None:
+        """The heartbeat: the progress, whenever it changed (looked at every poll interval), else every
+        BEAT_EVERY_S."""
+        if self.progress is None:
+            return
         plane = self.ctx.own_plane()  # never queued behind another thread's call
-        abort, beat_key = self.inc.abort_key(), self.ctx.keys.heartbeat(self.ctx.proc)
+        beat_key = self.ctx.keys.heartbeat(self.ctx.proc)
         sent: Heartbeat | None = None
         sent_t = 0.0
         try:
             while not self._closed.wait(self.ctx.config.poll_interval_s):
-                if not self._aborted.is_set() and plane.has(abort):
-                    self._aborted.set()
-                    self.on_abort()
-                if self.progress is None:
-                    continue
                 now = time.monotonic()
                 with self._beating:
                     if self.progress.pulse(self.inc.generation, self._beat) != sent or now - sent_t >= BEAT_EVERY_S:

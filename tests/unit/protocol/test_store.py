@@ -201,25 +201,40 @@ def test_wait_any_returns_the_first_key_that_exists_and_none_at_its_timeout(serv
     client.close()
 
 
-def test_only_a_new_key_wakes_the_waiters_and_a_waiter_still_sees_it():
+def test_only_the_creation_of_a_waited_key_wakes_its_waiter():
     """Every wait is for keys to exist: rewriting a key (a heartbeat, a counter, a record moving on) must not
-    wake the server's blocked threads, and a key's creation by any call must."""
+    wake the server's blocked threads, nor must the creation of a key they do not wait for; the creation of
+    theirs, by any call, must."""
     table = Table()
-    wakes = []
-    notify_all = table.changed.notify_all
-    table.changed.notify_all = lambda: (wakes.append(1), notify_all())  # type: ignore[method-assign]
     found: list[str | None] = []
-    waiter = threading.Thread(target=lambda: found.append(table.wait_any(["new"], 10.0)))
+    waiter = threading.Thread(target=lambda: found.append(table.wait_any(["new", "other"], 10.0)))
     waiter.start()
+    deadline = time.monotonic() + 5.0
+    while "new" not in table.waiters and time.monotonic() < deadline:
+        time.sleep(0.001)
+    [event] = table.waiters["new"]
     table.set("hb", b"1")
     table.add("count", 1)
     table.compare_set("cas", b"", b"x")
-    assert len(wakes) == 3  # three keys created
     for _ in range(5):
         table.set("hb", b"2")
         table.add("count", 1)
         table.compare_set("cas", b"x", b"y")
-    assert len(wakes) == 3 and waiter.is_alive()  # rewrites woke nobody
-    table.set("new", b"")
+    assert not event.is_set() and waiter.is_alive()  # three other keys created, fifteen rewrites: not woken
+    table.add("new", 1)
     waiter.join(5.0)
-    assert found == ["new"] and len(wakes) == 4
+    assert event.is_set() and found == ["new"]
+    assert table.waiters == {}  # a finished wait leaves nothing registered
+
+
+def test_a_wait_for_several_keys_ends_once_the_last_of_them_is_created():
+    table = Table()
+    done: list[bool] = []
+    waiter = threading.Thread(target=lambda: done.append(table.wait(["a", "b", "c"], 10.0)))
+    waiter.start()
+    for key in "abc":
+        time.sleep(0.02)
+        assert waiter.is_alive()
+        table.set(key, b"")
+    waiter.join(5.0)
+    assert done == [True] and table.waiters == {}

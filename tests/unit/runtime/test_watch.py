@@ -1,0 +1,60 @@
+"""The watch sees its generation's abort as soon as the coordinator writes it, and only while it is open."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from deadpool.config import JobConfig
+from deadpool.events import EventLog
+from deadpool.protocol.keys import Keys
+from deadpool.protocol.kinds import Role
+from deadpool.protocol.plan import Plan
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.records import Abort
+from deadpool.runtime.context import Context, connect
+from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.plane import PlaneStore
+from deadpool.runtime.watch import ABORT_SLICE_S, Watch
+from tests.plane import control_plane
+
+
+def _watch(tmp_path: Path, fields: dict, aborts: list[float]) -> tuple[Watch, Incarnation]:
+    config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **fields)
+    client, keys = connect(config), Keys("t")
+    ctx = Context("w0", Role.WORKER, config, PlaneStore(client), ControlPlane(client), keys,
+                  EventLog(tmp_path / "events.jsonl", role="worker", proc="w0"), None)  # type: ignore[arg-type]
+    inc = Incarnation.of(Plan(generation=0, ranks=("w0",), holders=((),), spares=()), "w0", keys)
+    return Watch(ctx, inc, None, on_abort=lambda: aborts.append(time.monotonic())), inc
+
+
+def test_the_abort_is_seen_at_once_and_acted_on_once(tmp_path):
+    with control_plane(tmp_path) as (server, fields):
+        aborts: list[float] = []
+        watch, inc = _watch(tmp_path, fields, aborts)
+        time.sleep(2 * ABORT_SLICE_S)  # the wait has gone round a slice or two: it still wakes at once
+        assert not watch.aborted()
+        written = time.monotonic()
+        ControlPlane(server.table).put(inc.abort_key(), Abort(0, "test"))
+        deadline = written + 5.0
+        while not aborts and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert watch.aborted() and len(aborts) == 1
+        assert aborts[0] - written < ABORT_SLICE_S  # woken by the write, not by the end of a slice
+        time.sleep(2 * ABORT_SLICE_S)
+        assert len(aborts) == 1
+        watch.close()
+
+
+def test_a_closed_watch_ignores_a_later_abort_and_its_thread_ends(tmp_path):
+    with control_plane(tmp_path) as (server, fields):
+        aborts: list[float] = []
+        watch, inc = _watch(tmp_path, fields, aborts)
+        watch.close()
+        ControlPlane(server.table).put(inc.abort_key(), Abort(0, "after the close"))
+        deadline = time.monotonic() + 5.0
+        while any(t.name == "deadpool-abort-g0" for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(t.name == "deadpool-abort-g0" for t in threading.enumerate())
+        assert aborts == [] and not watch.aborted()
