@@ -117,7 +117,7 @@ class Reducer:
         then *is* that place (DDP's gradient_as_bucket_view). So autograd's own gradient tensor is freed at
         once and the next gradient of the pass reuses its memory: held until the end of backward, the
         pass's gradients were freed together with its activations, and the allocator handed the lot back to
-        the system to fault it in again at the next pass (measured: page faults took ~4 % of a step).
+        the system to fault it in again at the next pass (measured: ~2 % of the workers' CPU, 10M x 4).
         The gradient may be this very place already (zero_grad(set_to_none=False)): scaled in place then."""
         view = self._view(index)
         grad = self.params[index].grad
