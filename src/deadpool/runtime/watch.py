@@ -118,6 +118,11 @@ class Watch:
                 self.ctx.plane.put(self.ctx.keys.heartbeat(self.ctx.proc),
                                    self.progress.pulse(self.inc.generation, self._beat))
 
+    def _ended(self, error: Exception) -> None:
+        """One of the watch's threads lost the store before the watch was closed."""
+        if not self._closed.is_set():
+            self.ctx.events.emit("watch_ended", error=str(error).splitlines()[0] if str(error) else "")
+
     def _await_abort(self) -> None:
         """Blocks in the store until this generation's abort is written (not a poll: a few requests a second
         per rank instead of one per poll interval, and the abort is seen at once). A watch closed meanwhile
@@ -132,8 +137,7 @@ class Watch:
         except InterruptedError:  # closed
             pass
         except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
-            if not self._closed.is_set():
-                self.ctx.events.emit("watch_ended", error=str(error).splitlines()[0] if str(error) else "")
+            self._ended(error)
         finally:
             client.close()
 
@@ -155,5 +159,4 @@ class Watch:
                         sent, sent_t = self.progress.pulse(self.inc.generation, self._beat), now
                         plane.put(beat_key, sent)
         except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
-            if not self._closed.is_set():
-                self.ctx.events.emit("watch_ended", error=str(error).splitlines()[0] if str(error) else "")
+            self._ended(error)
