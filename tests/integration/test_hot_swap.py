@@ -8,7 +8,7 @@ import time
 import pytest
 
 from deadpool.config import Fault
-from deadpool.runtime.loop import CALIBRATION_STEPS
+from deadpool.runtime.cadence import CALIBRATION_STEPS
 
 from .conftest import SCRIPTS, Job, run_job
 
@@ -177,16 +177,33 @@ def test_corrupted_replica_with_no_intact_fallback_stops_cleanly(tmp_path):
     assert not job.named("recovered")
 
 
-def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path, reference):
-    job = run_job(tmp_path, snapshot_every="auto", faults=(Fault(kind="kill", rank=3, step=9, phase="backward"),))
-    chosen = {e["every"] for e in job.named("snapshot_interval") if e["gen"] == 0}
+def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path):
+    """Killed at the end of the calibration: the spare that takes the rank over has timed too few steps
+    and abstains (or has one pair); the survivors' measurements pick the interval, every rank agrees, and
+    the run ends as the failure-free one."""
+    steps = CALIBRATION_STEPS + 4
+    reference = run_job(tmp_path / "reference", steps=steps)
+    job = run_job(tmp_path / "job", steps=steps, snapshot_every="auto",
+                  faults=(Fault(kind="kill", rank=3, step=CALIBRATION_STEPS - 1, phase="backward"),))
+    assert_same_training(job, reference)
+    [recovery] = job.summary["recoveries"]
+    restored = recovery["restored_step"]
+    assert restored in (CALIBRATION_STEPS - 4, CALIBRATION_STEPS - 2)  # the last calibration snapshots
+    decided = job.named("snapshot_interval")
+    assert {e["gen"] for e in decided} == {1} and len(decided) == 4
+    # pairs: a step beside a snapshot's work (odd, 7..23) between two timed free steps. The survivors
+    # time all but the first step after the restore (7..19 restored at 22; 7..17 and 23 restored at 20),
+    # the spare the steps after its first (none, or 23)
+    assert {e["proc"]: e["pairs"] for e in decided} == {
+        "w0": 7, "w1": 7, "w2": 7, "s0": 0 if restored == CALIBRATION_STEPS - 2 else 1}
+    chosen = {e["every"] for e in decided}
     assert len(chosen) == 1 and min(chosen) >= 1  # every rank agreed on one interval
     every = chosen.pop()
-    snapshots = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == 0 and e["step"] > CALIBRATION_STEPS})
+    snapshots = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == 1 and e["step"] > CALIBRATION_STEPS})
     assert all(step % every == 0 for step in snapshots)
-    assert_same_training(job, reference)
-    [interval] = [i for i in job.summary["snapshot_intervals"] if i["generation"] == 0]
-    assert (interval["every"], interval["replay_steps"]) == (every, every) and interval["replay_s"] > 0
+    [interval] = job.summary["snapshot_intervals"]
+    assert (interval["generation"], interval["every"], interval["replay_steps"]) == (1, every, every)
+    assert interval["replay_s"] > 0
     # host memory: two slots of its snapshot per worker, two per held rank at the spare (docs/benchmarks.md)
     size = {r: max(e["bytes"] for e in job.named("snapshot") if e["rank"] == r and e["gen"] == 0) for r in range(4)}
     memory = job.summary["memory"]

@@ -5,6 +5,7 @@ For every model size and number of ranks (a cell), the example GPT trains under 
   deadpool-off       DeadPool, snapshots off                        (the baseline of the DeadPool variants)
   deadpool-every-1   DeadPool, a snapshot every step (replicated to the spare; each rank its slice)
   deadpool-every-1-whole  the same with --slices off: every rank copies and sends its whole state
+  deadpool-every-5   DeadPool, a snapshot every 5th step (the density `auto` aims for)
   deadpool-auto      DeadPool, `auto`: the densest interval within the 1 % budget
   dcp-off            torchrun + DDP, no checkpoint                  (the baseline of the DCP variants)
   dcp-sync           torchrun + DDP, dcp.save every --ckpt-every steps
@@ -20,12 +21,12 @@ whatever a background snapshot or save takes from training's CPU. A run's figure
 measured steps (total time / steps) and all ranks: a median would ignore the one step in K that pays
 a checkpoint.
 
-Warm-up, not measured (`warmup_steps`): the first 2K steps (K = --ckpt-every), at least 10. One-off
-costs fall in them: auto's calibration (snapshots every step until step 5, replicated by about step 9
-for 50M x 4 ranks on 2 cores), the allocation of DeadPool's slots, DCP's first save (planning, first
-staging). The measured window is then a whole number of checkpoint intervals, so the DCP variants pay
-their saves at their true rate, and it opens with a save (after step 2K), whose background writing
-has the rest of the interval to finish inside the window.
+Warm-up, not measured (`warmup_steps`): the first 2K steps (K = --ckpt-every), or more, a whole number
+of intervals, until two steps after auto's calibration (24 steps, runtime/cadence.py): 30 at K = 5.
+One-off costs fall in them: auto's calibration, the allocation of DeadPool's slots, DCP's first save
+(planning, first staging). The measured window is then a whole number of checkpoint intervals, so the
+DCP variants pay their saves at their true rate, and it opens with a save, whose background writing has
+the rest of the interval to finish inside the window.
 
 The copy limit (bench/limits.py): before the runs, this machine's one-core memcpy, hash and loopback
 bandwidths are measured; each snapshotting row states the bytes its snapshots copied, hashed and sent per
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import time
@@ -56,7 +58,7 @@ from deadpool.errors import ConfigError
 from deadpool.events import read_events
 from deadpool.launcher.launch import launch
 from deadpool.launcher.options import EXAMPLE, default_out
-from deadpool.runtime.loop import CALIBRATION_STEPS
+from deadpool.runtime.cadence import CALIBRATION_STEPS
 
 RUN_TIMEOUT_S = 120  # a torchrun run's start-up allowance; each step adds 30 s (the 50M preset takes seconds)
 
@@ -106,6 +108,7 @@ VARIANTS = {v.name: v for v in (
     Variant("deadpool-off", "deadpool", snapshot_every=0),
     Variant("deadpool-every-1", "deadpool", snapshot_every=1),
     Variant("deadpool-every-1-whole", "deadpool", snapshot_every=1, slices=False),
+    Variant("deadpool-every-5", "deadpool", snapshot_every=5),
     Variant("deadpool-auto", "deadpool", snapshot_every="auto"),
     Variant("dcp-off", "torchrun-dcp"),
     Variant("dcp-sync", "torchrun-dcp", save="sync"),
@@ -268,8 +271,9 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
 # ---- running ----------------------------------------------------------------------------------
 
 def warmup_steps(ckpt_every: int) -> int:
-    """Steps not measured: 2K, so that one-off costs (see the module's docstring) stay out, at least 10."""
-    return max(2 * ckpt_every, 2 * CALIBRATION_STEPS)
+    """Steps not measured: so that one-off costs (see the module's docstring) stay out, at least 2K and
+    `auto`'s calibration with two steps to spare, rounded up to a whole number of intervals."""
+    return ckpt_every * max(2, math.ceil((CALIBRATION_STEPS + 2) / ckpt_every))
 
 
 def run_steps(ckpt_every: int, steps: int | None) -> tuple[int, int]:

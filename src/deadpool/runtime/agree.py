@@ -6,15 +6,15 @@ is a peer's (PeerFailure)."""
 
 from __future__ import annotations
 
-import math
 import statistics
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from deadpool.errors import ProtocolError, UsageError
+from deadpool.runtime.cadence import Price, price
 from deadpool.runtime.comms import DataParallel, collective
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def agree_to_stop(member: Member, requested: bool, steps: int | None) -> bool:
     so where gloo's ring cuts it, and so the bits of the gradients beyond 2 ranks."""
     limit = UNLIMITED if steps is None else steps
     flags = torch.tensor([int(requested), limit, -limit], dtype=torch.int64, device=member.device)
-    _all_reduce_max(member, flags, "stop", "the stop agreement")
+    _all_reduce(member, flags, dist.ReduceOp.MAX, "stop", "the stop agreement")
     most, fewest = int(flags[1]), -int(flags[2])
     if most != fewest:
         def said(n: int) -> str:
@@ -50,27 +50,41 @@ def agree_to_stop(member: Member, requested: bool, steps: int | None) -> bool:
     return bool(flags[0].item())
 
 
-def agree_on_interval(member: Member) -> int:
-    """`auto`: the densest interval whose snapshot cost stays within the budget; ranks take the max.
+def agree_on_interval(member: Member, durations: dict[int, float]) -> int:
+    """`auto`: the densest interval whose measured cost stays within the budget (cadence.py).
 
-    Every rank decides at the same step (a collective), whatever it measured: a spare that just took over
-    has measured little, and the others' costs decide."""
+    Every rank decides at the same step (a collective) from the mean of the ranks' measurements (the
+    ranks run in step, so each measures the same cost with its own noise; the max of them would pick
+    too sparse an interval). A spare that took a rank over during the calibration has measured no pair
+    and abstains; only if no rank measured one does the engine's busy time price a snapshot (an upper
+    bound: steps cannot lose more than the time the work runs beside them)."""
     config, engine = member.ctx.config, member.engine
-    cost = statistics.median(engine.costs) if engine.costs else 0.0
-    step_s = statistics.median(member.progress.step_times)
-    chosen = torch.tensor([max(1, math.ceil(cost / (config.snapshot_budget * step_s)))], dtype=torch.int64,
-                          device=member.device)
-    _all_reduce_max(member, chosen, "all_reduce", "the snapshot interval agreement")
-    every = int(chosen.item())
+    busy = statistics.median(engine.costs) if engine.costs else 0.0
+    measured = price(durations)
+    fallback = Price(cost_s=busy, step_s=statistics.median(member.progress.step_times), pairs=0)
+    # sums over the ranks, in float64: an all-reduce leaves the same bits on every rank, so every rank
+    # computes the same interval from them
+    sums = torch.tensor([measured.cost_s if measured else 0.0, measured.step_s if measured else 0.0,
+                         1.0 if measured else 0.0, fallback.cost_s, fallback.step_s, 1.0],
+                        dtype=torch.float64, device=member.device)
+    _all_reduce(member, sums, dist.ReduceOp.SUM, "all_reduce", "the snapshot interval agreement")
+    cost_s, step_s, n, busy_s, busy_step_s, ranks = sums.tolist()
+    used = (Price(cost_s=cost_s / n, step_s=step_s / n, pairs=measured.pairs if measured else 0) if n else
+            Price(cost_s=busy_s / ranks, step_s=busy_step_s / ranks, pairs=0))
+    every = used.interval(config.snapshot_budget)
     # what the interval costs a recovery: a failure just before the next snapshot is committed replays
     # up to `every` steps (every / 2 on average)
-    member.ctx.events.emit("snapshot_interval", every=every, cost_s=cost, step_s=step_s, budget=config.snapshot_budget,
-                           replay_steps=every, replay_s=every * step_s)
+    member.ctx.events.emit("snapshot_interval", every=every, cost_s=used.cost_s, step_s=used.step_s,
+                           my_cost_s=measured.cost_s if measured else None, busy_s=busy,
+                           pairs=measured.pairs if measured else 0, ranks_measured=int(n),
+                           budget=config.snapshot_budget, replay_steps=every, replay_s=every * used.step_s)
     if member.rank == 0:
-        print(f"[deadpool] snapshot-every auto: a snapshot costs {cost * 1e3:.0f} ms, "
-              f"a step {step_s * 1e3:.0f} ms; snapshotting every {every} steps keeps it within "
-              f"{config.snapshot_budget:.1%}; a failure replays up to {every} steps ({every * step_s:.1f} s)",
-              flush=True)
+        how = (f"steps beside a snapshot's work against those without, {int(n)} ranks' mean" if n
+               else "its work's busy time: no rank measured a pair")
+        print(f"[deadpool] snapshot-every auto: a snapshot costs {used.cost_s * 1e3:.0f} ms of step time ({how}; "
+              f"the work itself takes {busy * 1e3:.0f} ms), a step {used.step_s * 1e3:.0f} ms; snapshotting every "
+              f"{every} steps keeps it within {config.snapshot_budget:.1%}; a failure replays up to {every} steps "
+              f"({every * used.step_s:.1f} s)", flush=True)
     return every
 
 
@@ -94,8 +108,8 @@ def agree_on_restore(member: Member, target: int) -> None:
     member.frontier = max(int(other[2]) for other in everyone)
 
 
-def _all_reduce_max(member: Member, tensor: torch.Tensor, phase: str, what: str) -> None:
+def _all_reduce(member: Member, tensor: torch.Tensor, op: Any, phase: str, what: str) -> None:
     assert member.watch is not None
     with member.progress.waiting_for(phase):
-        collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True), member.watch.aborted,
+        collective(lambda: dist.all_reduce(tensor, op=op, async_op=True), member.watch.aborted,
                    member.ctx.config.collective_timeout_s, what)

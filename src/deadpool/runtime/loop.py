@@ -25,6 +25,7 @@ from deadpool.events import EventLog
 from deadpool.protocol.kinds import Phase
 from deadpool.protocol.records import Commit
 from deadpool.runtime.agree import agree_on_interval, agree_to_stop
+from deadpool.runtime.cadence import CALIBRATION_STEPS, snapshots_after
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
@@ -33,8 +34,6 @@ from deadpool.runtime.recovery import Recovery
 from deadpool.runtime.replay import InputFingerprints
 from deadpool.runtime.state import state_sha256
 from deadpool.runtime.watch import Progress
-
-CALIBRATION_STEPS = 5  # `auto` snapshots every step until this step, then picks an interval
 
 
 class StepLoop:
@@ -49,6 +48,7 @@ class StepLoop:
         self.stop_requested = False  # session.stop() was called in this step
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
+        self.step_ends: dict[int, float] = {}  # `auto` calibrating: when each step ended (cadence.py)
         self.logged_loss: Any = None  # the last loss= the script gave session.log in this step
         self.inputs = InputFingerprints()  # what the model was fed, step by step: a replay must be fed the same
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
@@ -66,6 +66,9 @@ class StepLoop:
         """Loaded only by a recovery's restore: the run goes on from the restored step, and its next step
         is snapshotted whatever the interval, so that the replicas are compared right after a recovery."""
         self.member.step, self.every, self.calibrating = state["step"], state["every"], state["calibrating"]
+        # `auto` calibrating: the steps from here are run (and timed) again, and the first one's predecessor
+        # ended before the failure
+        self.step_ends = {s: t for s, t in self.step_ends.items() if s < self.member.step}
         self.stop_requested = self.stopped = False
         self.check_next = True
 
@@ -134,6 +137,9 @@ class StepLoop:
             self.member.engine.wait_copied()
         self.member.progress.mark(self.member.step + 1, "optimizer")
 
+    def _snapshots_after(self, step: int) -> bool:
+        return snapshots_after(step) if self.calibrating else step % self.every == 0
+
     def _one_step(self, train_step: Callable[[int], Any]) -> None:
         member = self.member
         if member.watch is None or member.watch.aborted():
@@ -155,11 +161,15 @@ class StepLoop:
         value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         member.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=member.engine.wait_s - waited,
                                replay=replay)
-        if self.every and (step % self.every == 0 or self.check_next):
+        if self.calibrating:  # a step's whole time, snapshot capture and agreements included, as users see it
+            self.step_ends[step] = time.monotonic()
+        if self.every and (self._snapshots_after(step) or self.check_next):
             member.engine.capture(step, member.tree)
             self.check_next = False
         if self.calibrating and step >= CALIBRATION_STEPS:
-            self.every, self.calibrating = agree_on_interval(member), False
+            ends = self.step_ends
+            durations = {s: ends[s] - ends[s - 1] for s in ends if s - 1 in ends}
+            self.every, self.calibrating = agree_on_interval(member, durations), False
         self.stopped = agree_to_stop(member, self.stop_requested, self.steps)
         if self.stopped and member.rank == 0:
             member.ctx.events.emit("stopped", step=step, reason="session.stop()")

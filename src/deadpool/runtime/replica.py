@@ -16,6 +16,8 @@ The digest (runtime/digest.py: xxh3_64, or CRC-32 without xxhash) travels as a s
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -39,8 +41,23 @@ def token_id(token: str) -> int:
     return int.from_bytes(hashlib.sha256(token.encode()).digest()[:8], "little") >> 2
 
 
+_DEVICES: list[Any] = []  # this process's gloo devices, shared by all its pair groups (below)
+_DEVICES_MADE = threading.Lock()  # a holder makes its groups in a thread per held rank
+
+
 def pair_group(store: PlaneStore, prefix: str, me: int, timeout_s: float) -> Any:  # a ProcessGroupGloo (untyped stubs)
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, timedelta(seconds=timeout_s))
+    """A two-process gloo group on this process's gloo device. Each device runs a thread that wakes every
+    10 ms (gloo's event loop), idle or not: a spare holding 4 ranks had 4 of them, 400 wake-ups a second
+    that cost it more CPU than receiving the snapshots. The device is made once, as torch makes one for
+    each group: on the interfaces GLOO_SOCKET_IFNAME names, else on the hostname's address."""
+    with _DEVICES_MADE:
+        if not _DEVICES:
+            names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+            _DEVICES.extend([dist.ProcessGroupGloo.create_device(interface=name) for name in names]
+                            or [dist.ProcessGroupGloo.create_default_device()])
+    options = dist.ProcessGroupGloo._Options()
+    options._devices, options._timeout, options._threads = _DEVICES, timedelta(seconds=timeout_s), 2 * len(_DEVICES)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, options)
 
 
 def _wait(work: dist.Work, timeout_s: float) -> None:

@@ -116,6 +116,7 @@ def test_summary_ratios_against_each_systems_own_baseline_with_spread():
     rounds = {"deadpool-off": [run(1.0), run(2.0), run(1.5)],
               "deadpool-every-1": [run(3.0, 0.1)] * 3,
               "deadpool-every-1-whole": [run(4.5, 0.1)] * 3,
+              "deadpool-every-5": [run(1.8, 0.0)] * 3,
               "deadpool-auto": [run(1.5, 0.0, 7), run(1.5, 0.0, 8), run(1.5, 0.0, 7)],
               "dcp-off": [run(2.0)] * 3,
               "dcp-sync": [run(3.0, 0.2), run(2.5, 0.1), run(4.0, 0.3)],
@@ -126,6 +127,7 @@ def test_summary_ratios_against_each_systems_own_baseline_with_spread():
     assert (off["median_step_s"], off["ratio"], off["min_step_s"], off["max_step_s"]) == (1.5, 1.0, 1.0, 2.0)
     assert (rows["deadpool-every-1"]["ratio"], rows["deadpool-every-1"]["baseline"]) == (2.0, "deadpool-off")
     assert rows["deadpool-every-1-whole"]["ratio"] == 3.0
+    assert rows["deadpool-every-5"]["ratio"] == pytest.approx(1.2)
     assert rows["deadpool-auto"]["chosen_every"] == [7, 8, 7]
     sync = rows["dcp-sync"]
     assert (sync["median_step_s"], sync["ratio"], sync["baseline"]) == (3.0, 1.5, "dcp-off")
@@ -163,9 +165,10 @@ def test_lists_are_checked_and_baselines_added():
 
 
 def test_warm_up_is_two_checkpoint_intervals_and_the_window_whole_intervals():
-    assert run_steps(ckpt_every=5, steps=None) == (10, 15)
-    assert run_steps(ckpt_every=10, steps=40) == (20, 40)
-    assert run_steps(ckpt_every=2, steps=None) == (10, 12)  # auto's calibration needs 10 anyway
+    assert run_steps(ckpt_every=5, steps=None) == (30, 35)  # auto's calibration ends at step 24
+    assert run_steps(ckpt_every=5, steps=60) == (30, 60)
+    assert run_steps(ckpt_every=20, steps=60) == (40, 60)  # 2K
+    assert run_steps(ckpt_every=2, steps=None) == (26, 28)
     for every, steps in ((10, 25), (5, 10), (0, 15)):
         with pytest.raises(ConfigError):
             run_steps(ckpt_every=every, steps=steps)
