@@ -111,6 +111,8 @@ class NodeAgent:
                         self.local.fence(name)
                 time.sleep(BEAT_EVERY_S)
         except ControlPlaneError as error:
+            if not self.local.alive():  # the job ended between two looks: the coordinator wrote its shutdown,
+                return 0                # saw this node's processes exit (reported above) and closed its store
             print(f"[n{self.node}] lost the coordinator ({str(error).splitlines()[0]}); stopping this node",
                   file=sys.stderr, flush=True)
             self.local.stop_all(grace_s=0.0)
