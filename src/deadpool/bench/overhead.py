@@ -1,6 +1,6 @@
 """`deadpool bench overhead`: the failure-free cost of fault tolerance, DeadPool's against DCP's.
 
-For every model size and number of ranks (a cell), the example GPT trains under seven variants:
+For every model size and number of ranks (a cell), the example GPT trains under eight variants:
 
   deadpool-off       DeadPool, snapshots off                        (the baseline of the DeadPool variants)
   deadpool-every-1   DeadPool, a snapshot every step (replicated to the spare; each rank its slice)
