@@ -53,3 +53,31 @@ def test_a_sliced_snapshot_crosses_as_its_piece_and_private_state(tmp_path):
     assert torch.equal(got.data[layout.lead_nbytes:], slot.data[layout.lead_nbytes:])
     outside = torch.cat([got.data[:start], got.data[end: layout.lead_nbytes]])
     assert outside.numel() and bool((outside == 0xEE).all())  # the other ranks' pieces never crossed
+
+
+def test_every_stream_of_a_process_shares_its_one_gloo_device(tmp_path):
+    """A holder of several ranks receives them on one gloo device (one event-loop thread, not one each);
+    streams made at once from several threads still make one device, and each arrives whole."""
+    from deadpool.runtime import replica
+
+    slots = {name: sliced_slot(rank=r, world=2)[0] for r, name in enumerate(("a/", "b/"))}
+    with control_plane(tmp_path) as (_, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        received: dict[str, Slot] = {}
+
+        def hold(prefix: str) -> None:
+            receiver = ReplicaReceiver(PlaneStore(connect(config)), prefix, "t", 0, [Slot(), Slot()], timeout_s=20)
+            received[prefix] = receiver.receive_one(lambda: None, lambda: False)
+
+        def send(prefix: str) -> None:
+            ReplicaSender(PlaneStore(connect(config)), prefix, "t", 0, timeout_s=20).send(slots[prefix])
+
+        threads = [threading.Thread(target=f, args=(p,)) for p in slots for f in (hold, send)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+    assert len(replica._DEVICES) == 1
+    for prefix, slot in slots.items():
+        got = received[prefix]
+        assert (got.step, got.digest) == (slot.step, slot.digest) and got.intact()
