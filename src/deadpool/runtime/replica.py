@@ -55,7 +55,7 @@ def pair_group(store: PlaneStore, prefix: str, me: int, timeout_s: float) -> Any
             names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
             _DEVICES.extend([dist.ProcessGroupGloo.create_device(interface=name) for name in names]
                             or [dist.ProcessGroupGloo.create_default_device()])
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (the stubs omit it)
     options._devices, options._timeout, options._threads = _DEVICES, timedelta(seconds=timeout_s), 2 * len(_DEVICES)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), me, 2, options)
 
