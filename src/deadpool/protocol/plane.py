@@ -5,6 +5,7 @@ No other DeadPool code calls the store (gloo's rendezvous drives its own adapter
     process --put(key, record)----------> ControlPlane --set---------> store (authenticated: protocol/store.py)
     process <--get / poll / poll_all------ ControlPlane <--get / peek---
     process --count(key)----------------> ControlPlane --add---------> a counter (beacons, claims, numbers)
+    process --delete(key)---------------> ControlPlane --delete_key--> gone (what its writer no longer needs)
     process --wait(keys, deadline, give_up)  blocks in the store a slice at a time: the first key that
                                              exists, InterruptedError once give_up(), TimeoutError at the deadline
 """
@@ -26,6 +27,7 @@ class Store(Protocol):
     def set(self, key: str, value: str | bytes) -> None: ...
     def get(self, key: str, timeout: float | None = None) -> bytes: ...
     def add(self, key: str, delta: int) -> int: ...
+    def delete_key(self, key: str) -> bool: ...
     def peek(self, keys: list[str]) -> list[bytes | None]: ...
     def wait_any(self, keys: list[str], timeout: float) -> str | None: ...
 
@@ -58,6 +60,10 @@ class ControlPlane:
 
     def put(self, key: str, record: Wire) -> None:
         self.store.set(key, record.to_json())
+
+    def delete(self, key: str) -> None:
+        """Removes a key its writer no longer needs (a replica stream's announcement, once acknowledged)."""
+        self.store.delete_key(key)
 
     def get(self, key: str, kind: Kind[T], timeout_s: float | None = None) -> T:
         """The record at `key`, waiting up to `timeout_s` for it (StoreTimeout past it; None: the store's default)."""

@@ -9,6 +9,7 @@ One group per (rank, holder, generation); the sender is group rank 0, the holder
     data: each byte range the slot holds     ->  received into the slot's own buffer, in place
           (slots.held_ranges: a data-parallel piece and the private state, or all of it)
                                              <-  ack [step, digest, ok]  (recomputed by the holder)
+    deletes {stream}seq/{n}: the holder is past it (a month of snapshots must not pile up in the store)
 
 The digest (runtime/digest.py: xxh3_64, or CRC-32 without xxhash) travels as a signed int64.
 """
@@ -93,6 +94,7 @@ class ReplicaSender:
             _wait(self.group.send([slot.data[start:end]], 1, 2), self.timeout_s)
         ack = torch.zeros(3, dtype=torch.int64)
         _wait(self.group.recv([ack], 1, 3), self.timeout_s)
+        self.plane.delete(Keys.announce(self.prefix, self.sent))
         step, digest, ok = ack.tolist()
         if (step, digest, ok) != (slot.step, slot.digest, 1):
             raise ProtocolError(f"holder rejected snapshot {slot.step}: acked step {step}, digest {digest:#x} "

@@ -81,3 +81,29 @@ def test_every_stream_of_a_process_shares_its_one_gloo_device(tmp_path):
     for prefix, slot in slots.items():
         got = received[prefix]
         assert (got.step, got.digest) == (slot.step, slot.digest) and got.intact()
+
+
+def test_a_stream_leaves_no_announcement_behind_once_acknowledged(tmp_path):
+    """Every snapshot is announced under a key of its own; a month of them must not pile up in the store, so
+    the sender deletes each once the holder has acknowledged it (the holder is past it by then)."""
+    slot, _ = sliced_slot(rank=0, world=2)
+    with control_plane(tmp_path) as (server, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        held = [Slot(), Slot()]
+        steps: list[int | None] = []
+
+        def hold() -> None:
+            receiver = ReplicaReceiver(PlaneStore(connect(config)), "pair/", "t", 0, held, timeout_s=20)
+            steps.extend(receiver.receive_one(lambda: None, lambda: False).step for _ in range(3))
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        sender = ReplicaSender(PlaneStore(connect(config)), "pair/", "t", 0, timeout_s=20)
+        sender.send(slot)
+        keys_after_one = server.table.num_keys()
+        sender.send(slot)
+        sender.send(slot)
+        holder.join(20)
+        assert server.table.num_keys() == keys_after_one  # the store does not grow with the snapshots
+        assert not [key for key in server.table.data if "seq/" in key]
+    assert steps == [4, 4, 4]
