@@ -21,12 +21,12 @@ whatever a background snapshot or save takes from training's CPU. A run's figure
 measured steps (total time / steps) and all ranks: a median would ignore the one step in K that pays
 a checkpoint.
 
-Warm-up, not measured (`warmup_steps`): the first 2K steps (K = --ckpt-every), or more, a whole number
-of intervals, until two steps after auto's calibration (24 steps, runtime/cadence.py): 30 at K = 5.
-One-off costs fall in them: auto's calibration, the allocation of DeadPool's slots, DCP's first save
-(planning, first staging). The measured window is then a whole number of checkpoint intervals, so the
-DCP variants pay their saves at their true rate, and it opens with a save, whose background writing has
-the rest of the interval to finish inside the window.
+Warm-up, not measured (`warmup_steps`): the first 2K steps (K = --ckpt-every); with deadpool-auto among
+the variants, more: a whole number of intervals, until two steps after auto's calibration (24 steps,
+runtime/cadence.py), 30 at K = 5, for every variant alike. One-off costs fall in them: auto's
+calibration, the allocation of DeadPool's slots, DCP's first save (planning, first staging). The measured
+window is then a whole number of checkpoint intervals, so the DCP variants pay their saves at their true
+rate, and it opens with a save, whose background writing has the rest of the interval to finish inside it.
 
 The copy limit (bench/limits.py): before the runs, this machine's one-core memcpy, hash and loopback
 bandwidths are measured; each snapshotting row states the bytes its snapshots copied, hashed and sent per
@@ -270,17 +270,18 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
 
 # ---- running ----------------------------------------------------------------------------------
 
-def warmup_steps(ckpt_every: int) -> int:
-    """Steps not measured: so that one-off costs (see the module's docstring) stay out, at least 2K and
-    `auto`'s calibration with two steps to spare, rounded up to a whole number of intervals."""
-    return ckpt_every * max(2, math.ceil((CALIBRATION_STEPS + 2) / ckpt_every))
+def warmup_steps(ckpt_every: int, calibrating: bool) -> int:
+    """Steps not measured: so that one-off costs (see the module's docstring) stay out, 2K, and when `auto`
+    runs, its calibration with two steps to spare, rounded up to a whole number of intervals."""
+    return ckpt_every * max(2, math.ceil((CALIBRATION_STEPS + 2) / ckpt_every) if calibrating else 2)
 
 
-def run_steps(ckpt_every: int, steps: int | None) -> tuple[int, int]:
-    """(warm-up, total) steps per run: by default the warm-up and one checkpoint interval."""
+def run_steps(ckpt_every: int, steps: int | None, calibrating: bool) -> tuple[int, int]:
+    """(warm-up, total) steps per run: by default the warm-up and one checkpoint interval. `calibrating`:
+    deadpool-auto is among the variants (every variant gets the same warm-up, so they share one window)."""
     if ckpt_every < 1:
         raise ConfigError("--ckpt-every must be at least 1")
-    warmup = warmup_steps(ckpt_every)
+    warmup = warmup_steps(ckpt_every, calibrating)
     steps = warmup + ckpt_every if steps is None else steps
     if steps <= warmup or (steps - warmup) % ckpt_every:
         raise ConfigError(f"--steps must be the {warmup} warm-up steps plus a multiple of --ckpt-every "
@@ -314,10 +315,10 @@ def run_variant(variant: Variant, size: Size, ranks: int, steps: int, args: argp
 
 
 def bench_overhead(args: argparse.Namespace) -> int:
-    warmup, steps = run_steps(args.ckpt_every, args.steps)
+    sizes, ranks, variants = parse_sizes(args.sizes), parse_ranks(args.ranks), parse_variants(args.variants)
+    warmup, steps = run_steps(args.ckpt_every, args.steps, any(v.snapshot_every == "auto" for v in variants))
     if args.rounds < 1:
         raise ConfigError("--rounds must be at least 1")
-    sizes, ranks, variants = parse_sizes(args.sizes), parse_ranks(args.ranks), parse_variants(args.variants)
     out = args.out or default_out("bench-overhead")
     out.mkdir(parents=True, exist_ok=True)
     params = parameter_counts(sizes)
