@@ -130,17 +130,18 @@ class Coordinator:
         return dict(zip(procs, self.plane.counters([self.keys.alive(p) for p in procs])))
 
     def _persist_reports(self, state: CoordinatorState) -> dict[str, PersistReport]:
-        """The writers' reports on the checkpoint being written; a malformed one counts as a failed part."""
+        """The writers' reports on the checkpoint being written (a report on an earlier one is not yet an answer);
+        a malformed one counts as a failed part."""
         job = state.persisting
         if job is None or job.finalizing:
             return {}
         reports = {}
         for proc in dict.fromkeys(job.writers):
             try:
-                report = self.plane.poll(self.keys.persisted(job.step, proc), PersistReport)
+                report = self.plane.poll(self.keys.persisted(proc), PersistReport)
             except ProtocolError as error:
                 report = PersistReport(job.step, proc, (), ok=False, error=str(error))
-            if report is not None:
+            if report is not None and report.step == job.step:
                 reports[proc] = report
         return reports
 

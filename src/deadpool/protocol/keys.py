@@ -165,8 +165,10 @@ class Keys:
     def persist_order(self) -> str:
         return self._k("persist/order")
 
-    def persisted(self, step: int, proc: str) -> str:
-        return self._k(f"persist/{step}/{proc}")
+    def persisted(self, proc: str) -> str:
+        """A writer's report on the latest order it took, rewritten in place (its step is in the record): a
+        key per checkpoint would pile up in the store over a month of them."""
+        return self._k(f"persist/report/{proc}")
 
     # faults fire once per job, whoever runs the rank
     def fault_fired(self, index: int) -> str:

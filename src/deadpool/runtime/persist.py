@@ -102,7 +102,7 @@ class Persister:
                 done = order
                 ranks = order.ranks_of(ctx.proc)
                 if ranks:
-                    plane.put(ctx.keys.persisted(order.step, ctx.proc), self.write(order.step, ranks))
+                    plane.put(ctx.keys.persisted(ctx.proc), self.write(order.step, ranks))
         except Exception as error:  # the job is over (the store closed) or the order was malformed
             if not self.stop.is_set():
                 ctx.events.emit("persister_stopped", error=f"{type(error).__name__}: {error}")

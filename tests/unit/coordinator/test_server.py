@@ -1,13 +1,15 @@
 """Tests for deadpool/coordinator/server.py: the shell applies the machine's effects to a store and processes."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deadpool.config import JobConfig
+from deadpool.coordinator.machine import start
 from deadpool.coordinator.server import Coordinator
+from deadpool.coordinator.state import Persisting
 from deadpool.events import EventLog, read_events
 from deadpool.protocol.keys import Keys
 from deadpool.protocol.plane import ControlPlane
-from deadpool.protocol.records import Commit, Published, Shutdown, Started
+from deadpool.protocol.records import Commit, PersistReport, Published, Shutdown, Started
 from deadpool.protocol.status import JobStatus
 from deadpool.protocol.store import Table
 
@@ -98,3 +100,18 @@ def test_a_script_that_fails_before_init_fences_the_others_and_says_why_on_stder
 
 def events_reason(run_dir) -> str:
     return next(e["reason"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "job_failed")
+
+
+def test_a_writers_report_on_an_earlier_checkpoint_is_not_an_answer_to_this_one(tmp_path):
+    """Each writer rewrites one report key (a key per checkpoint would pile up over a month of them), so the
+    shell takes a report only for the step being written."""
+    config = JobConfig(**CONFIG, run_dir=str(tmp_path))
+    store, keys, events = Store(), Keys("tok"), EventLog(tmp_path / "events.jsonl", role="coordinator", proc="c")
+    coordinator = Coordinator(config, store, events, Processes(store, keys, {}))
+    state, _ = start(config)
+    state = replace(state, persisting=Persisting(20, ("w0", "w1"), ordered_t=0.0, deadline=9.0, reason="every 10"))
+    store.put(keys.persisted("w0"), PersistReport(10, "w0", (0,), ok=True))
+    store.put(keys.persisted("w1"), PersistReport(20, "w1", (1,), ok=True))
+    assert coordinator._persist_reports(state) == {"w1": PersistReport(20, "w1", (1,), ok=True)}
+    store.put(keys.persisted("w0"), PersistReport(20, "w0", (0,), ok=False, error="disk full"))
+    assert coordinator._persist_reports(state)["w0"].error == "disk full"
