@@ -24,6 +24,7 @@ from deadpool.runtime.comms import DataParallel
 from deadpool.runtime.context import Context
 from deadpool.runtime.failures import end_quietly_after_errors, report_script_errors
 from deadpool.runtime.generation import Incarnation
+from deadpool.runtime.heap import keep_heap
 from deadpool.runtime.holding import Holdings
 from deadpool.runtime.implicit import RNGState, StepVariables
 from deadpool.runtime.loop import StepLoop
@@ -59,7 +60,7 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
         on_termination(ctx, last_words)
     ctx.plane.put(ctx.keys.started(ctx.proc), Started(ctx.proc))
     Beacon(ctx)  # from here on the coordinator can tell this process stopped, whatever it is doing
-    ctx.events.emit("process_start", argv=sys.argv)
+    ctx.events.emit("process_start", argv=sys.argv, heap=keep_heap())
     if ctx.role == Role.SPARE:
         from deadpool.spare import Standby
 
