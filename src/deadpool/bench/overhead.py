@@ -273,7 +273,8 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
 def warmup_steps(ckpt_every: int, calibrating: bool) -> int:
     """Steps not measured: so that one-off costs (see the module's docstring) stay out, 2K, and when `auto`
     runs, its calibration with two steps to spare, rounded up to a whole number of intervals."""
-    return ckpt_every * max(2, math.ceil((CALIBRATION_STEPS + 2) / ckpt_every) if calibrating else 2)
+    calibration = math.ceil((CALIBRATION_STEPS + 2) / ckpt_every) if calibrating else 0
+    return ckpt_every * max(2, calibration)
 
 
 def run_steps(ckpt_every: int, steps: int | None, calibrating: bool) -> tuple[int, int]:

@@ -60,7 +60,8 @@ def init(warmup: Callable[[], Any] | None = None) -> "Session":
         on_termination(ctx, last_words)
     ctx.plane.put(ctx.keys.started(ctx.proc), Started(ctx.proc))
     Beacon(ctx)  # from here on the coordinator can tell this process stopped, whatever it is doing
-    ctx.events.emit("process_start", argv=sys.argv, heap=keep_heap())
+    heap = keep_heap()  # before the script allocates its model: every step after this reuses its pages
+    ctx.events.emit("process_start", argv=sys.argv, heap=heap)
     if ctx.role == Role.SPARE:
         from deadpool.spare import Standby
 
