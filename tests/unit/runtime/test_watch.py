@@ -12,21 +12,22 @@ from deadpool.protocol.keys import Keys
 from deadpool.protocol.kinds import Role
 from deadpool.protocol.plan import Plan
 from deadpool.protocol.plane import ControlPlane
-from deadpool.protocol.records import Abort
+from deadpool.protocol.records import Abort, Heartbeat
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.plane import PlaneStore
-from deadpool.runtime.watch import ABORT_SLICE_S, Watch
+from deadpool.runtime.watch import ABORT_SLICE_S, BEAT_EVERY_S, Progress, Watch
 from tests.plane import control_plane
 
 
-def _watch(tmp_path: Path, fields: dict, aborts: list[float]) -> tuple[Watch, Incarnation]:
+def _watch(tmp_path: Path, fields: dict, aborts: list[float],
+           progress: Progress | None = None) -> tuple[Watch, Incarnation]:
     config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **fields)
     client, keys = connect(config), Keys("t")
     ctx = Context("w0", Role.WORKER, config, PlaneStore(client), ControlPlane(client), keys,
                   EventLog(tmp_path / "events.jsonl", role="worker", proc="w0"), None)  # type: ignore[arg-type]
     inc = Incarnation.of(Plan(generation=0, ranks=("w0",), holders=((),), spares=()), "w0", keys)
-    return Watch(ctx, inc, None, on_abort=lambda: aborts.append(time.monotonic())), inc
+    return Watch(ctx, inc, progress, on_abort=lambda: aborts.append(time.monotonic())), inc
 
 
 def test_the_abort_is_seen_at_once_and_acted_on_once(tmp_path):
@@ -58,3 +59,21 @@ def test_a_closed_watch_ignores_a_later_abort_and_its_thread_ends(tmp_path):
             time.sleep(0.01)
         assert not any(t.name == "deadpool-abort-g0" for t in threading.enumerate())
         assert aborts == [] and not watch.aborted()
+
+
+def test_the_heartbeat_goes_out_every_beat_period_however_often_the_progress_moves(tmp_path):
+    """A training thread that marks progress every 5 ms costs one pulse per BEAT_EVERY_S, not one per mark
+    (or per 20 ms poll, as once), and each pulse carries the progress as it is then."""
+    with control_plane(tmp_path) as (server, fields):
+        progress = Progress()
+        watch, _ = _watch(tmp_path, fields, [], progress)
+        plane, key = ControlPlane(server.table), Keys("t").heartbeat("w0")
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0:
+            progress.mark(progress.step + 1, "forward")
+            time.sleep(0.005)
+        beat = plane.poll(key, Heartbeat)
+        watch.close()
+    assert beat is not None
+    assert 1.0 / BEAT_EVERY_S / 2 <= beat.beat <= 1.0 / BEAT_EVERY_S + 2  # ~10 pulses, where 200 marks were made
+    assert progress.step - beat.step <= 2 * BEAT_EVERY_S / 0.005  # at most two periods behind the last mark
