@@ -41,14 +41,17 @@ def _observe(seen: Liveness, beat: Heartbeat | None, gen: int, now: float) -> Li
     return replace(seen, beat=beat, beat_t=now, progress=progress, progress_t=now)
 
 
-def look_for_hangs(s: State, beats: Mapping[str, Heartbeat], now: float, out: list[Effect]) -> State:
-    """Updates every rank's liveness; fences the ranks the policy calls hung (their exit follows)."""
+def look_for_hangs(s: State, beats: Mapping[str, Heartbeat], arrived: Mapping[str, float], now: float,
+                   out: list[Effect]) -> State:
+    """Updates every rank's liveness (a beat dated by its arrival); fences the ranks the policy calls hung (their
+    exit follows)."""
     gen = s.plan.generation
     procs = [p for p in s.plan.ranks if p not in s.fenced]
     live = dict(s.live)
     pulses: dict[int, Pulse] = {}
     for proc in procs:
-        seen = live[proc] = _observe(live.get(proc) or Liveness(now, now), beats.get(proc), gen, now)
+        seen = live[proc] = _observe(live.get(proc) or Liveness(now, now), beats.get(proc), gen,
+                                     arrived.get(proc, now))
         if seen.beat is not None and seen.beat.gen == gen:
             pulses[s.plan.ranks.index(proc)] = Pulse(seen.beat_t, seen.progress_t, seen.beat.step, seen.beat.phase,
                                                      seen.beat.waiting)
@@ -73,16 +76,17 @@ def look_for_hangs(s: State, beats: Mapping[str, Heartbeat], now: float, out: li
     return s
 
 
-def look_for_silence(s: State, alive: Mapping[str, int], now: float, out: list[Effect]) -> State:
-    """Notes every beacon that moved (in every phase); fences the idle spares (steady), and during a recovery
-    any process of the plan, whose beacon has been still for the longer of the silence and hang timeouts. A
-    spare is judged like a rank in its set-up, not by the silence timeout alone: it imports, runs the script's
-    warm-up and starts its receivers while it idles, and may hold the GIL for seconds then (on a loaded machine
-    a spare starting up went 1.5 s without a beat)."""
+def look_for_silence(s: State, alive: Mapping[str, int], arrived: Mapping[str, float], now: float,
+                     out: list[Effect]) -> State:
+    """Notes every beacon that moved (in every phase), dated by its arrival; fences the idle spares (steady), and
+    during a recovery any process of the plan, whose beacon has been still for the longer of the silence and
+    hang timeouts. A spare is judged like a rank in its set-up, not by the silence timeout alone: it imports,
+    runs the script's warm-up and starts its receivers while it idles, and may hold the GIL for seconds then
+    (on a loaded machine a spare starting up went 1.5 s without a beat)."""
     seen = dict(s.alive)
     for proc, beats in alive.items():
         if proc not in seen or seen[proc].beats != beats:
-            seen[proc] = Alive(beats, now)
+            seen[proc] = Alive(beats, arrived.get(proc, now))
     s = replace(s, alive=seen)
     limit = max(s.config.silence_timeout_s, _timeout(s).value or 0.0)
     if s.phase is Phase.STEADY:

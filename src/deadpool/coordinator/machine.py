@@ -92,6 +92,14 @@ def advance(s: State, inputs: Inputs, now: float) -> tuple[State, tuple[Effect, 
     return with_status(_tick(s, inputs, now, out), out)
 
 
+def quiet(s: State) -> bool:
+    """Whether nothing is in flight but training: the steady state with no recovery, checkpoint, stop or joining
+    node under way. Then only liveness can change without a report (judged over >= 1.5 s, on beats dated by their
+    arrival), and the shell may tick less often (server.py)."""
+    return (s.phase is Phase.STEADY and s.swap is None and s.persisting is None and s.stopping_t is None
+            and not s.joining and s.exit_code is None)
+
+
 # ---- exits --------------------------------------------------------------------------------
 
 def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
@@ -151,13 +159,13 @@ def _script_error(s: State, x: ExitReport, reason: str, out: list[Effect]) -> St
 def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
     """What the phase waits for: reports to commit and hangs (steady), a window or a deadline, or every rank.
     In every phase, silent processes are looked for (fences.look_for_silence)."""
-    s = look_for_silence(s, inputs.alive, now, out)
+    s = look_for_silence(s, inputs.alive, inputs.alive_t, now, out)
     if s.phase is Phase.STEADY:
         s = _commit(s, inputs.durable, now, out)
         if s.exit_code is not None:
             return s
         s = persist.tick(s, inputs, now, out, may_order=True)
-        s = look_for_hangs(s, inputs.beats, now, out)
+        s = look_for_hangs(s, inputs.beats, inputs.beats_t, now, out)
         if s.swap is None and not s.finished:
             s, new = admit(s, inputs.started, now, out)
             s = refill(s, new, now, out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from deadpool.protocol.keys import Keys
 from deadpool.protocol.kinds import Role
@@ -140,6 +141,9 @@ class RemoteNodes:
 
     def relabel(self, name: str, label: str) -> None:
         """Output prefixes are the agents' own ([n1:w2]); nothing to change here."""
+
+    def on_exit(self, wake: Callable[[], None]) -> None:
+        """Nothing to do: the agents report exits to the store, and the report wakes the coordinator itself."""
 
     def stop_all(self, grace_s: float) -> None:
         """After the shutdown key: waits for the agents to stop their processes and report, then fences the rest."""

@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, TextIO
+from typing import Callable, Mapping, TextIO
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.policy import place_devices
@@ -88,6 +88,7 @@ class Agent:
         # output goes to its log only until relabel() says it took a rank (the coordinator says so on one
         # machine; a node's agent, from the plans it reads: launcher/node.py).
         self.children: dict[str, Child] = {}
+        self.wake: Callable[[], None] = lambda: None  # called as each child exits
         self.log_dir = Path(config.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -117,8 +118,14 @@ class Agent:
                         child.held.append(line)
                     else:
                         self._echo(child, [line])
-        if child.popen.wait() != 0:  # a spare that failed while idle: its traceback must be seen
+        code = child.popen.wait()  # its output ends as it exits (unless a child of its own still holds it)
+        self.wake()
+        if code != 0:  # a spare that failed while idle: its traceback must be seen
             self._release(child)
+
+    def on_exit(self, wake: Callable[[], None]) -> None:
+        """Calls `wake` as each child exits: the coordinator looks at once instead of at its next tick."""
+        self.wake = wake
 
     def _echo(self, child: Child, lines: list[str]) -> None:
         """Called with _print_lock held."""

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from deadpool.config import JobConfig
 from deadpool.coordinator.nodes import Exited, Ordered
@@ -102,6 +102,10 @@ class Peers:
     def joined(self) -> dict[int, str]:
         """No node can join a job that torchrun started."""
         return {}
+
+    def on_exit(self, wake: Callable[[], None]) -> None:
+        """Nothing to do: an exit report is a store write, which wakes the coordinator itself; a pid that
+        vanished is seen at its next tick."""
 
     def stop_all(self, grace_s: float) -> None:
         """Waits up to `grace_s` for the other processes to report their exits, then fences the rest."""

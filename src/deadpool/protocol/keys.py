@@ -22,6 +22,8 @@ mistaken for g+1; every key carries the job's secret token in its prefix.
 
 from __future__ import annotations
 
+import re
+
 # Process identity travels in the environment; everything else is in the config file it names.
 ENV_CONFIG, ENV_PROC, ENV_ROLE = "DEADPOOL_CONFIG", "DEADPOOL_PROC", "DEADPOOL_ROLE"
 CONFIG_KEY = "deadpool/job"  # the job's config as JSON, unprefixed: what an agent reads first (launcher/node.py)
@@ -44,6 +46,13 @@ def torchrun_env(rank: int, world_size: int, nproc_per_node: int = 0, gpu: int |
             "LOCAL_WORLD_SIZE": str(local_world)}
 
 
+# The reports the coordinator waits on, by name under the job's prefix: a rank's durable steps, ready or resumed;
+# a process's start, script error or exit (its own, or its node agent's report); a node joining; a checkpoint
+# writer's part. Each wakes the coordinator as it is written (coordinator/server.py).
+REPORTS = re.compile(r"g\d+/(durable|ready|resumed)/|(started|error|exited)/|node/\d+/exit/|nodes/joined$"
+                     r"|persist/report/")
+
+
 class Keys:
     """Every store key of a job, under a prefix that carries the job's secret token."""
 
@@ -52,6 +61,11 @@ class Keys:
 
     def _k(self, name: str) -> str:
         return self.prefix + name
+
+    def is_report(self, key: str) -> bool:
+        """Whether `key` is a report the coordinator waits on (REPORTS), not a heartbeat, a replica stream's
+        announcement or anything else it reads at its own pace."""
+        return key.startswith(self.prefix) and REPORTS.match(key, len(self.prefix)) is not None
 
     # membership
     def generation(self) -> str:

@@ -64,8 +64,12 @@ class Table:
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.written: dict[str, float] = {}  # key -> when it was last set or added to (time.monotonic)
         self.lock = threading.Lock()
         self.waiters: dict[str, set[threading.Event]] = {}  # key -> the blocked calls it would wake
+        # Called with every written key, under the lock (so it must be quick and never call the table): the
+        # coordinator's wake-up (coordinator/server.py).
+        self.on_write: Callable[[str], None] = lambda key: None
         self.closed = False
 
     def close(self) -> None:
@@ -86,6 +90,8 @@ class Table:
             for event in self.waiters.pop(key, ()):
                 event.set()
         self.data[key] = value
+        self.written[key] = time.monotonic()
+        self.on_write(key)
 
     def _block(self, keys: list[str], ready: Callable[[], bool], timeout_s: float) -> bool:
         """Waits until `ready()` (asked under the lock) or `timeout_s`; woken only by the creation of one of
@@ -133,6 +139,12 @@ class Table:
         with self.lock:
             return [self.data.get(k) for k in keys]
 
+    def arrivals(self, keys: list[str]) -> list[float | None]:
+        """When each key was last written, on this process's monotonic clock (None: it does not exist). Only
+        the process that hosts the store has this: its coordinator times heartbeats by when they arrived."""
+        with self.lock:
+            return [self.written.get(k) for k in keys]
+
     def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
         if not self.wait([key], timeout):
             raise StoreTimeout(f"timed out waiting for key {key!r}")
@@ -166,6 +178,7 @@ class Table:
 
     def delete_key(self, key: str) -> bool:
         with self.lock:
+            self.written.pop(key, None)
             return self.data.pop(key, None) is not None
 
     def num_keys(self) -> int:

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.machine import advance, start
+from deadpool.coordinator.machine import advance, quiet, start
 from deadpool.coordinator.policy import Durable
 from deadpool.coordinator.state import (
     Abort,
@@ -17,6 +17,7 @@ from deadpool.coordinator.state import (
     Heartbeat,
     Inputs,
     MarkRunning,
+    Persisting,
     Phase,
     PublishPlan,
     PublishStatus,
@@ -333,6 +334,35 @@ def test_a_silent_spare_is_fenced_after_the_longer_timeout_and_its_replicas_plac
     plan = effects[0].plan  # it held both ranks' replicas: a new generation places them (on the peers)
     assert (plan.generation, plan.ranks, plan.spares, plan.holders) == (1, ("w0", "w1"), (), (("w1",), ("w0",)))
     assert s.phase is Phase.AWAIT_READY
+
+
+def test_silence_is_timed_from_when_the_last_beat_arrived_not_from_the_tick_that_read_it():
+    """The shell may read liveness up to QUIET_TICK_S late: a beat is dated by its arrival in the store (a
+    rank's heartbeat, a spare's beacon), so the verdict falls when it would have had the beat been read at once."""
+    s = started(replace(CONFIG, silence_timeout_s=2.0, hang_timeout_s=1.0))
+    steady = durable(s, 0)
+    s, _ = advance(s, replace(steady, beats={"w0": pulse(3, 1), "w1": pulse(3, 1)}, alive={"s0": 1},
+                              beats_t={"w0": 0.95, "w1": 0.95}, alive_t={"s0": 0.95}), 1.0)
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 2), "w1": pulse(3, 2)}, alive={"s0": 2},
+                                    beats_t={"w0": 2.5, "w1": 1.01}, alive_t={"s0": 1.02}), 2.96)
+    assert not emitted(effects, "hang_detected")
+    s, effects = advance(s, replace(steady, beats={"w0": pulse(3, 3), "w1": pulse(3, 2)}, alive={"s0": 2},
+                                    beats_t={"w0": 3.0, "w1": 1.01}, alive_t={"s0": 1.02}), 3.015)
+    [hang] = emitted(effects, "hang_detected")  # 2.005 s after w1's last beat arrived, though read 0.055 s ago
+    assert (hang["proc"], hang["rule"]) == ("w1", "silence")
+    s, effects = advance(s, replace(steady, alive={"s0": 2}, alive_t={"s0": 1.02}), 3.025)
+    assert [h["proc"] for h in emitted(effects, "hang_detected")] == ["s0"]
+    assert emitted(effects, "hang_detected")[0]["last_progress_t"] == 1.02
+
+
+def test_quiet_is_the_steady_state_with_nothing_in_flight():
+    """What lets the shell tick less often (server.QUIET_TICK_S): training, and nothing the clock moves on."""
+    s = started()
+    assert quiet(s)
+    assert not quiet(replace(s, persisting=Persisting(1, ("w0",), 0.0, 9.0, "test")))
+    assert not quiet(replace(s, stopping_t=1.0))
+    s, _ = advance(s, killed("w1"), 1.0)
+    assert s.phase is Phase.SETTLING and not quiet(s)
 
 
 def test_a_spare_in_its_own_set_up_is_given_the_hang_timeout_not_the_silence_timeout_alone():

@@ -1,5 +1,6 @@
 """Tests for deadpool/coordinator/server.py: the shell applies the machine's effects to a store and processes."""
 
+import threading
 from dataclasses import dataclass, replace
 
 from deadpool.config import JobConfig
@@ -60,6 +61,9 @@ class Processes:
     def joined(self) -> dict[int, str]:
         return {}
 
+    def on_exit(self, wake) -> None:
+        self.wake = wake
+
 
 CONFIG = dict(script="train.py", workers=2, spares=1, token="tok")
 
@@ -115,3 +119,32 @@ def test_a_writers_report_on_an_earlier_checkpoint_is_not_an_answer_to_this_one(
     assert coordinator._persist_reports(state) == {"w1": PersistReport(20, "w1", (1,), ok=True)}
     store.put(keys.persisted("w0"), PersistReport(20, "w0", (0,), ok=False, error="disk full"))
     assert coordinator._persist_reports(state)["w0"].error == "disk full"
+
+
+def test_a_report_or_an_exit_wakes_the_coordinator_and_a_heartbeat_or_its_own_write_does_not(tmp_path):
+    """Between ticks the shell sleeps until woken (or QUIET_TICK_S in a quiet steady state): by a report the
+    machine waits on, written by another thread (a store connection), or by a process's exit; heartbeats come
+    every 0.1 s per rank and are dated by their arrival instead, so they wake nobody."""
+    config = JobConfig(**CONFIG, run_dir=str(tmp_path))
+    store, keys, events = Store(), Keys("tok"), EventLog(tmp_path / "events.jsonl", role="coordinator", proc="c")
+    processes = Processes(store, keys, {})
+    coordinator = Coordinator(config, store, events, processes)
+    coordinator.thread = threading.get_ident()  # as run() sets it: this thread is the coordinator's
+
+    def written_elsewhere(key: str) -> bool:
+        thread = threading.Thread(target=store.put, args=(key, Started("w0")))
+        thread.start()
+        thread.join(5.0)
+        woken = coordinator.woken.is_set()
+        coordinator.woken.clear()
+        return woken
+
+    assert written_elsewhere(keys.durable(0, 1))
+    assert not written_elsewhere(keys.heartbeat("w0")) and not written_elsewhere(keys.alive("w0"))
+    store.put(keys.durable(0, 0), Started("w0"))  # the coordinator's own thread
+    assert not coordinator.woken.is_set()
+    processes.wake()  # the agent: a child exited
+    assert coordinator.woken.is_set()
+    coordinator.woken.clear()
+    coordinator.request_stop()  # SIGTERM
+    assert coordinator.woken.is_set()

@@ -1,6 +1,7 @@
 """Tests for deadpool/launcher/agent.py: the environment each training process starts with, and its output."""
 
 import io
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -74,3 +75,18 @@ def test_an_idle_spares_output_is_held_back_in_its_log_until_it_takes_a_rank(tmp
     agent.relabel("s0", "s0=r0")
     agent.stop_all(grace_s=30)
     assert echo.getvalue() == "[s0=r0] the banner\n[s0=r0] training\n"
+
+
+def test_the_agent_calls_its_wake_up_as_soon_as_a_child_exits(tmp_path):
+    """The coordinator sleeps between ticks; a SIGKILLed rank must not wait for the next one to be seen."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    agent = Agent(JobConfig(script=str(script), workers=1, run_dir=str(tmp_path)), tmp_path / "c.json", echo=None)
+    exited = threading.Event()
+    agent.on_exit(exited.set)
+    child = agent.spawn("w0", "worker", 0)
+    time.sleep(0.2)
+    assert not exited.is_set()
+    agent.fence("w0")
+    assert exited.wait(10.0) and child.popen.poll() == -9
+    assert [c.name for c in agent.poll()] == ["w0"]

@@ -238,3 +238,23 @@ def test_a_wait_for_several_keys_ends_once_the_last_of_them_is_created():
         table.set(key, b"")
     waiter.join(5.0)
     assert done == [True] and table.waiters == {}
+
+
+def test_the_table_dates_every_write_and_names_its_key_to_its_host():
+    """The coordinator beside the store dates heartbeats by their arrival and is woken by the reports it waits
+    on: every write (set, add, compare_set) stamps its key and is passed to on_write; a delete forgets it."""
+    table, written = Table(), []
+    table.on_write = written.append
+    before = time.monotonic()
+    table.set("a", b"1")
+    table.add("b", 1)
+    table.compare_set("c", b"", b"x")
+    after = time.monotonic()
+    assert written == ["a", "b", "c"]
+    stamps = table.arrivals(["a", "b", "c", "never"])
+    assert all(before <= t <= after for t in stamps[:3]) and stamps[3] is None
+    time.sleep(0.01)
+    table.set("a", b"2")
+    assert table.arrivals(["a"])[0] > stamps[0]  # a rewrite is a new arrival
+    table.delete_key("a")
+    assert table.arrivals(["a"]) == [None] and written == ["a", "b", "c", "a"]
