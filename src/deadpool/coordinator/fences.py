@@ -108,6 +108,18 @@ def look_for_silence(s: State, alive: Mapping[str, int], arrived: Mapping[str, f
     return s
 
 
+def next_verdict_t(s: State) -> float:
+    """The earliest moment a steady state's hang or silence verdict could fall due if nobody beat again: each
+    rank's last beat + the silence timeout and last progress + the hang timeout, each idle spare's last beacon
+    + the longer of both (a lower bound: the rules themselves decide). The shell sleeps no longer than that."""
+    silence, timeout = s.config.silence_timeout_s, _timeout(s).value or float("inf")
+    ranks = [min(v.beat_t + silence, v.progress_t + timeout) for p, v in s.live.items()
+             if v.beat is not None and p in s.plan.ranks and p not in s.fenced]
+    spares = [s.alive[p].since + max(silence, timeout) for p in s.plan.spares
+              if p in s.alive and s.alive[p].beats > 0 and p not in s.fenced]
+    return min(ranks + spares, default=float("inf"))
+
+
 def _fence(s: State, proc: str, rank: int | None, cause: str, last: float, now: float, out: list[Effect]) -> State:
     """Kills a hung process; its exit starts (or joins) the recovery. A recovery in flight keeps its cause."""
     swap = s.swap or Swap(detected_t=now, cause=cause, hang=Hang(rank, proc, last, now))

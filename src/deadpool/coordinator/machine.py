@@ -26,7 +26,7 @@ from typing import Mapping
 from deadpool.config import JobConfig
 from deadpool.coordinator import persist
 from deadpool.coordinator.divergence import DIVERGENCE_CAUSES, Divergence, check_replicas
-from deadpool.coordinator.fences import look_for_hangs, look_for_silence
+from deadpool.coordinator.fences import look_for_hangs, look_for_silence, next_verdict_t
 from deadpool.coordinator.policy import (
     FINISHED,
     SCRIPT_ERROR,
@@ -92,12 +92,13 @@ def advance(s: State, inputs: Inputs, now: float) -> tuple[State, tuple[Effect, 
     return with_status(_tick(s, inputs, now, out), out)
 
 
-def quiet(s: State) -> bool:
-    """Whether nothing is in flight but training: the steady state with no recovery, checkpoint, stop or joining
-    node under way. Then only liveness can change without a report (judged over >= 1.5 s, on beats dated by their
-    arrival), and the shell may tick less often (server.py)."""
-    return (s.phase is Phase.STEADY and s.swap is None and s.persisting is None and s.stopping_t is None
-            and not s.joining and s.exit_code is None)
+def next_tick(s: State, now: float, busy_s: float, quiet_s: float) -> float:
+    """How long the shell may wait for its next tick if nothing wakes it (a report, an exit, SIGTERM): `busy_s`
+    while a recovery, checkpoint, stop or joining node is under way; else, while the job only trains and only
+    liveness can change, `quiet_s`, but never past the moment a hang or silence verdict could fall due."""
+    quiet = (s.phase is Phase.STEADY and s.swap is None and s.persisting is None and s.stopping_t is None
+             and not s.joining and s.exit_code is None)
+    return max(0.0, min(quiet_s, next_verdict_t(s) - now)) if quiet else busy_s
 
 
 # ---- exits --------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ tier (deadpool.disk assembles checkpoints); it reads and writes the job's record
 is given (protocol/plane.py), over the store's own table: the coordinator always runs beside its store.
 
 A tick comes at once when something the machine waits on happens (a report written to the store, a process's
-exit, SIGTERM), else every poll interval while anything is in flight, or every QUIET_TICK_S in a quiet steady
-state, where only liveness can change and beats are dated by when the store received them, not when a tick
-read them. (A tick every 20 ms whatever happened cost ~0.5 ms each, 28 ms of CPU a second, on a loaded host.)
+exit, SIGTERM), else every poll interval while anything is in flight, or every QUIET_TICK_S while the job only
+trains and only liveness can change (machine.next_tick): beats are dated by when the store received them, not
+when a tick read them, and a tick comes when a verdict could fall due. (A tick every 20 ms whatever happened
+cost ~0.5 ms each, 28 ms of CPU a second, on a loaded host.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.machine import advance, quiet, start
+from deadpool.coordinator.machine import advance, next_tick, start
 from deadpool.coordinator.policy import Durable
 from deadpool.coordinator.state import (
     Abort,
@@ -63,7 +64,7 @@ from deadpool.protocol.records import (
 from deadpool.protocol.status import write_status
 from deadpool.protocol.store import Table
 
-QUIET_TICK_S = 0.05  # the tick's period in a quiet steady state (machine.quiet)
+QUIET_TICK_S = 0.05  # the longest wait between two ticks while the job only trains (machine.next_tick)
 
 
 class Exit(Protocol):
@@ -128,7 +129,7 @@ class Coordinator:
                 self._apply(effect)
             if state.exit_code is not None:
                 return state.exit_code
-            self.woken.wait(QUIET_TICK_S if quiet(state) else self.config.poll_interval_s)
+            self.woken.wait(next_tick(state, time.monotonic(), self.config.poll_interval_s, QUIET_TICK_S))
             self.woken.clear()
             inputs = self._gather(state)
             self.finalized = {}

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from deadpool.config import JobConfig
-from deadpool.coordinator.machine import advance, quiet, start
+from deadpool.coordinator.machine import advance, next_tick, start
 from deadpool.coordinator.policy import Durable
 from deadpool.coordinator.state import (
     Abort,
@@ -355,14 +355,21 @@ def test_silence_is_timed_from_when_the_last_beat_arrived_not_from_the_tick_that
     assert emitted(effects, "hang_detected")[0]["last_progress_t"] == 1.02
 
 
-def test_quiet_is_the_steady_state_with_nothing_in_flight():
-    """What lets the shell tick less often (server.QUIET_TICK_S): training, and nothing the clock moves on."""
-    s = started()
-    assert quiet(s)
-    assert not quiet(replace(s, persisting=Persisting(1, ("w0",), 0.0, 9.0, "test")))
-    assert not quiet(replace(s, stopping_t=1.0))
-    s, _ = advance(s, killed("w1"), 1.0)
-    assert s.phase is Phase.SETTLING and not quiet(s)
+def test_the_shell_waits_longer_while_the_job_only_trains_but_never_past_a_verdict_due():
+    """next_tick: the busy period while anything is in flight; while only liveness can change, the quiet
+    period, cut short at the moment a silence verdict could fall due (so a hang is fenced no later than a tick
+    every 20 ms would fence it)."""
+    s = started(replace(CONFIG, silence_timeout_s=2.0, hang_timeout_s=5.0))
+    assert next_tick(s, 1.0, 0.02, 0.05) == 0.05  # nothing beat yet: nothing can fall due
+    s, _ = advance(s, replace(durable(s, 0), beats={"w0": pulse(3, 1), "w1": pulse(3, 1)}, alive={"s0": 1},
+                              beats_t={"w0": 0.9, "w1": 0.97}, alive_t={"s0": 0.95}), 1.0)
+    assert next_tick(s, 1.0, 0.02, 0.05) == 0.05
+    assert next_tick(s, 2.88, 0.02, 0.05) == pytest.approx(0.02)  # w0's silence falls due at 2.9
+    assert next_tick(s, 3.5, 0.02, 0.05) == 0.0  # overdue: at once
+    assert next_tick(replace(s, persisting=Persisting(1, ("w0",), 0.0, 9.0, "test")), 1.0, 0.02, 0.05) == 0.02
+    assert next_tick(replace(s, stopping_t=1.0), 1.0, 0.02, 0.05) == 0.02
+    s, _ = advance(s, killed("w1"), 1.1)
+    assert s.phase is Phase.SETTLING and next_tick(s, 1.1, 0.02, 0.05) == 0.02
 
 
 def test_a_spare_in_its_own_set_up_is_given_the_hang_timeout_not_the_silence_timeout_alone():
