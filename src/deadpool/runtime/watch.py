@@ -6,8 +6,8 @@ abort comes it also runs `on_abort` (comms.abandon_group: on NCCL it aborts the 
 shuts the group's connections down, which releases a training thread blocked in a kernel, a host sync or
 a synchronous collective of the script's own, where no Python check can run). A second thread publishes
 this rank's heartbeat every BEAT_EVERY_S: a beat counter and the training thread's progress (step, phase,
-whether it waits on peers). The coordinator fences a rank whose beat
-stops (SIGSTOP) or whose progress stops while it does not wait (spinning in the script).
+whether it waits on peers). The coordinator fences a rank whose beat stops (SIGSTOP) or whose progress
+stops while it does not wait (spinning in the script).
 
 A Watch lives for one generation of a rank; a Beacon lives as long as the process, from deadpool.init() on,
 and beats whatever the process does: holding replicas as an idle spare, or recovering between two
