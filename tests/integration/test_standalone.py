@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -38,11 +39,17 @@ def plain_env(**extra: str) -> dict[str, str]:
 
 def master_port() -> str:
     """A free port P whose P + 1 is free too: torchrun's store takes P, DeadPool's control plane P + 1 (torchrun's
-    own choice of P leaves P + 1 to chance)."""
+    own choice of P leaves P + 1 to chance). Both below the kernel's ephemeral range, so that no connection
+    made meanwhile (torchrun's own, to P) takes P + 1 as its source port before rank 0 listens on it: that once
+    left rank 0 unable to host the control plane and rank 1 waiting its whole connect timeout."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(50):
         with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
+            port = random.randrange(max(1024, low - 10_000), low - 1)
+            try:
+                first.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             try:
                 second.bind(("127.0.0.1", port + 1))
             except OSError:

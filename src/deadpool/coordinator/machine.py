@@ -95,10 +95,12 @@ def advance(s: State, inputs: Inputs, now: float) -> tuple[State, tuple[Effect, 
 def next_tick(s: State, now: float, busy_s: float, quiet_s: float) -> float:
     """How long the shell may wait for its next tick if nothing wakes it (a report, an exit, SIGTERM): `busy_s`
     while a recovery, checkpoint, stop or joining node is under way; else, while the job only trains and only
-    liveness can change, `quiet_s`, but never past the moment a hang or silence verdict could fall due."""
+    liveness can change, `quiet_s`, but no longer than until a hang or silence verdict could fall due, and
+    never less than `busy_s` (a rank that finished, or has not joined yet, stays overdue without a verdict:
+    a shorter wait would spin)."""
     quiet = (s.phase is Phase.STEADY and s.swap is None and s.persisting is None and s.stopping_t is None
              and not s.joining and s.exit_code is None)
-    return max(0.0, min(quiet_s, next_verdict_t(s) - now)) if quiet else busy_s
+    return min(quiet_s, max(busy_s, next_verdict_t(s) - now)) if quiet else busy_s
 
 
 # ---- exits --------------------------------------------------------------------------------

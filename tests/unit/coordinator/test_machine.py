@@ -358,14 +358,17 @@ def test_silence_is_timed_from_when_the_last_beat_arrived_not_from_the_tick_that
 def test_the_shell_waits_longer_while_the_job_only_trains_but_never_past_a_verdict_due():
     """next_tick: the busy period while anything is in flight; while only liveness can change, the quiet
     period, cut short at the moment a silence verdict could fall due (so a hang is fenced no later than a tick
-    every 20 ms would fence it)."""
+    every 20 ms would fence it), but never below the busy period: a verdict overdue that never falls (a rank
+    that finished, or one not joined yet) once made the loop spin, starving the ranks of a job whose
+    coordinator runs in rank 0."""
     s = started(replace(CONFIG, silence_timeout_s=2.0, hang_timeout_s=5.0))
     assert next_tick(s, 1.0, 0.02, 0.05) == 0.05  # nothing beat yet: nothing can fall due
     s, _ = advance(s, replace(durable(s, 0), beats={"w0": pulse(3, 1), "w1": pulse(3, 1)}, alive={"s0": 1},
                               beats_t={"w0": 0.9, "w1": 0.97}, alive_t={"s0": 0.95}), 1.0)
     assert next_tick(s, 1.0, 0.02, 0.05) == 0.05
-    assert next_tick(s, 2.88, 0.02, 0.05) == pytest.approx(0.02)  # w0's silence falls due at 2.9
-    assert next_tick(s, 3.5, 0.02, 0.05) == 0.0  # overdue: at once
+    assert next_tick(s, 2.87, 0.02, 0.05) == pytest.approx(0.03)  # w0's silence falls due at 2.9
+    assert next_tick(s, 2.89, 0.02, 0.05) == 0.02  # never less than the busy period
+    assert next_tick(s, 3.5, 0.02, 0.05) == 0.02  # overdue without a verdict (a finished rank): no spinning
     assert next_tick(replace(s, persisting=Persisting(1, ("w0",), 0.0, 9.0, "test")), 1.0, 0.02, 0.05) == 0.02
     assert next_tick(replace(s, stopping_t=1.0), 1.0, 0.02, 0.05) == 0.02
     s, _ = advance(s, killed("w1"), 1.1)
