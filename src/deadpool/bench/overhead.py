@@ -36,6 +36,12 @@ minus snapshots off) as a multiple of that bound.
 Runs interleave: per cell and round, every variant once, in an order rotated each round, so drifts of
 the machine hit every variant alike. A row gives the median over rounds and the spread (min..max of
 the per-round figures).
+
+CPU per step (bench/cpu.py), beside the step time: the whole job's CPU seconds per measured step (this
+process, which runs DeadPool's launcher, and every process it started: workers, spares, torchrun's agent),
+and one training thread's (mean over ranks). Another tenant's load lengthens steps but adds no CPU to
+ours, so on a shared machine the CPU ratio resolves differences that step times' drift hides; a cost
+that is waiting rather than computing shows in step time only.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from pathlib import Path
 from typing import Any
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
+from deadpool.bench.cpu import JobCpu
 from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, measure_bandwidths, traffic
+from deadpool.bench.overhead_table import table
 from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
@@ -182,20 +190,25 @@ def available_memory() -> int:
 
 # ---- measuring one run ------------------------------------------------------------------------
 
-def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None) -> dict[str, Any]:
     """One run's step times from its events (either system), steps after `warmup`, every rank.
 
     intervals: seconds from the previous step's end to this step's end, per rank and measured step.
     blocked: of that, seconds the training thread spent in the fault-tolerance mechanism: DeadPool's
     wait for a snapshot copy (step.wait_s, inside the step), DCP's save call after the previous step
     (checkpoint.save_s: sync, the whole save; async, staging and waiting for the previous save).
+    CPU per step (cpu.py), over the same window: the whole job's (`cpu`, sampled while it ran), and a
+    training thread's (its step events' thread_cpu_s, mean over ranks).
     """
     ends: dict[tuple[int, int], float] = {}
+    thread_cpu: dict[tuple[int, int], float] = {}
     blocked: dict[tuple[int, int], float] = {}
     written: dict[int, float] = {}  # async save of step k -> when the last rank finished writing it
     for e in events:
         if e["event"] == "step":
             ends[e["rank"], e["step"]] = e["t"]
+            if "thread_cpu_s" in e:
+                thread_cpu[e["rank"], e["step"]] = e["thread_cpu_s"]
             blocked[e["rank"], e["step"]] = blocked.get((e["rank"], e["step"]), 0.0) + e.get("wait_s", 0.0)
         elif e["event"] == "checkpoint":  # delays the next step's end
             key = (e["rank"], e["step"] + 1)
@@ -210,6 +223,12 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     last_step, last_end = max(step for _, step in ends), max(ends.values())
     first_measured = min(step for _, step in measured)
     snapshots = [e for e in events if e["event"] == "snapshot" and first_measured - 1 <= e["step"] < last_step]
+    n_steps = last_step - first_measured + 1
+    job_cpu = cpu.between(min(t for (_, step), t in ends.items() if step == first_measured - 1), last_end) \
+        if cpu is not None else None
+    ranks = sorted({rank for rank, _ in measured})
+    train_cpu = [(thread_cpu[rank, last_step] - thread_cpu[rank, first_measured - 1]) / n_steps for rank in ranks
+                 if (rank, last_step) in thread_cpu and (rank, first_measured - 1) in thread_cpu]
     return {"intervals": intervals,
             "step_s": statistics.fmean(intervals),
             "wait_fraction": sum(blocked[key] for key in measured) / sum(intervals),
@@ -222,7 +241,9 @@ def measure(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             # other load on the machine than a difference of step times
             "snapshot_busy_s": statistics.median(e["total_s"] for e in snapshots) if snapshots else None,
             # saves taken inside the window but written after it: their background cost is partly unmeasured
-            "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items())}
+            "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items()),
+            "job_cpu_s": None if job_cpu is None else job_cpu / n_steps,
+            "train_cpu_s": statistics.fmean(train_cpu) if len(train_cpu) == len(ranks) else None}
 
 
 def copy_limit(runs: list[dict[str, Any]], cost_s: float, bandwidths: Bandwidths | None) -> dict[str, Any] | None:
@@ -247,6 +268,8 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
     """One row per variant of one cell: median and spread over rounds, ratio to its own system's baseline,
     and for DeadPool's snapshotting variants the copy limit (with this machine's bandwidths)."""
     medians = {name: statistics.median(r["step_s"] for r in runs) for name, runs in rounds.items()}
+    cpu = {key: {name: _median_or_none(runs, key) for name, runs in rounds.items()}
+           for key in ("job_cpu_s", "train_cpu_s")}
     rows = []
     for variant in variants:
         runs = rounds[variant.name]
@@ -264,8 +287,24 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
                      if variant.system == "deadpool" else None,
                      "copy_limit": copy_limit(runs, medians[variant.name] - medians[variant.baseline], bandwidths)
                      if variant.system == "deadpool" else None,
+                     **{f"median_{key}": cpu[key][variant.name] for key in cpu},
+                     **{f"{key[:-2]}_ratio": _ratio(cpu[key][variant.name], cpu[key][variant.baseline])
+                        for key in cpu},
                      "rounds": len(runs)})
     return rows
+
+
+def _cpu_note(run: dict[str, Any]) -> str:
+    return "" if run["job_cpu_s"] is None else f", job CPU {run['job_cpu_s'] * 1e3:.0f} ms/step"
+
+
+def _median_or_none(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r.get(key) for r in runs]
+    return statistics.median(v for v in values if v is not None) if values and None not in values else None
+
+
+def _ratio(value: float | None, baseline: float | None) -> float | None:
+    return None if value is None or not baseline else value / baseline
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -343,10 +382,13 @@ def bench_overhead(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
                 run_dir = out / f"{size.name}-{n}ranks" / f"round{r}-{variant.name}"
-                rounds[variant.name].append(measure(run_variant(variant, size, n, steps, args, run_dir), warmup))
+                with JobCpu() as cpu:
+                    events = run_variant(variant, size, n, steps, args, run_dir)
+                rounds[variant.name].append(measure(events, warmup, cpu))
                 done += 1
                 print(f"[{done}/{total}, {time.monotonic() - started:.0f} s] {cell}, round {r + 1}, {variant.name}: "
-                      f"{rounds[variant.name][-1]['step_s'] * 1e3:.1f} ms/step", flush=True)
+                      f"{rounds[variant.name][-1]['step_s'] * 1e3:.1f} ms/step{_cpu_note(rounds[variant.name][-1])}",
+                      flush=True)
         cell_rows = [{"size": size.name, "params": params[size.name], "batch_size": size.batch_size, "ranks": n,
                       "steps": steps, "warmup_steps": warmup, **row}
                      for row in summarize(variants, rounds, args.ckpt_every, bandwidths)]
@@ -357,45 +399,3 @@ def bench_overhead(args: argparse.Namespace) -> int:
     plot = plot_overhead(out, intervals, columns=len(ranks))
     print(f"written: {out / 'overhead.json'}, {plot} ({time.monotonic() - started:.0f} s)")
     return 0
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    first = rows[0]
-    lines = [f"\n{first['size']} ({first['params']:,} parameters, batch {first['batch_size']} per rank) x "
-             f"{first['ranks']} ranks; mean step time over steps {first['warmup_steps'] + 1}..{first['steps']}, "
-             f"median (min..max) of {first['rounds']} rounds",
-             f"{'variant':>28} {'step':>10} {'ratio to off':>14} {'spread':>20} {'blocked':>8} "
-             f"{'MB copied/hashed/sent per step':>31} {'copy limit':>11} {'cost / limit':>12} "
-             f"{'engine per snapshot':>19}"]
-    for row in rows:
-        label = row["variant"]
-        if row["chosen_every"]:
-            label += f" ({','.join(map(str, row['chosen_every']))})"
-        spread = f"{row['min_step_s'] * 1e3:.1f}..{row['max_step_s'] * 1e3:.1f} ms"
-        lines.append(f"{label:>28} {row['median_step_s'] * 1e3:>7.1f} ms {row['ratio']:>14.3f} {spread:>20} "
-                     f"{row['wait_fraction']:>8.2%}{_limit_columns(row.get('copy_limit'))}")
-        if row["snapshot_every"] == "auto" and not all(row["snapshots_in_window"]):
-            every = max(row["chosen_every"])
-            extra = next((r["median_step_s"] - r_off["median_step_s"] for r in rows for r_off in rows
-                          if r["variant"] == "deadpool-every-1" and r_off["variant"] == "deadpool-off"), None)
-            estimate = f"; every-1's extra time / {every} = {extra / every / row['median_step_s']:.2%} of a step" \
-                if extra is not None else ""
-            window = row["steps"] - row["warmup_steps"]
-            lines.append(f"{'':>28} note: auto snapshots every {every} steps, and the {window} measured steps "
-                         f"held {min(row['snapshots_in_window'])}: this figure leaves its cost out"
-                         f"{estimate}; measure with --steps above {row['warmup_steps'] + every}")
-        if row["saves_after_window"]:
-            lines.append(f"{'':>28} note: {row['saves_after_window']} async saves still writing after the last "
-                         f"step: their background cost is partly unmeasured; use more --steps")
-    return "\n".join(lines)
-
-
-def _limit_columns(limit: dict[str, Any] | None) -> str:
-    if limit is None:
-        return ""
-    moved = "/".join(f"{limit[k] / 1e6:.0f}" for k in ("copied_bytes", "hashed_bytes", "sent_bytes"))
-    bound = f"{limit['bound_s'] * 1e3:.1f} ms" if limit["bound_s"] is not None else "-"
-    multiple = ("-" if limit["multiple"] is None else "noise" if limit["multiple"] <= 0  # slower when off
-                else f"{limit['multiple']:.1f}x")
-    busy = f"{limit['snapshot_busy_s'] * 1e3:.0f} ms" if limit["snapshot_busy_s"] is not None else "-"
-    return f" {moved:>31} {bound:>11} {multiple:>12} {busy:>19}"

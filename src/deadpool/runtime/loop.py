@@ -159,8 +159,9 @@ class StepLoop:
         member.progress.record_step(duration)
         member.progress.mark(step, "step_end")
         value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        # thread_cpu_s: the training thread's CPU so far (what a benchmark compares across variants)
         member.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=member.engine.wait_s - waited,
-                               replay=replay)
+                               replay=replay, thread_cpu_s=time.thread_time())
         if self.calibrating:  # a step's whole time, snapshot capture and agreements included, as users see it
             self.step_ends[step] = time.monotonic()
         if self.every and (self._snapshots_after(step) or self.check_next):

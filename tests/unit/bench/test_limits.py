@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, loopback_bandwidth, measure_bandwidths, traffic
-from deadpool.bench.overhead import VARIANTS, measure, summarize, table
+from deadpool.bench.overhead import VARIANTS, measure, summarize
+from deadpool.bench.overhead_table import table
 
 GB = 1e9
 MACHINE = Bandwidths(memcpy=2 * GB, hash=4 * GB, crc32=1 * GB, copy_and_hash=1.5 * GB, loopback=1 * GB,

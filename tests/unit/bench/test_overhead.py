@@ -21,8 +21,8 @@ from deadpool.bench.overhead import (
     parse_variants,
     run_steps,
     summarize,
-    table,
 )
+from deadpool.bench.overhead_table import table
 from deadpool.bench.plots import plot_overhead
 from deadpool.errors import ConfigError
 

@@ -399,7 +399,8 @@ def main() -> None:
         optimizer.step()
         value = loss.item()
         t1 = time.monotonic()
-        events.emit("step", step=step, loss=value, dur_s=t1 - t0, t=t1, samples=sample_ids)
+        events.emit("step", step=step, loss=value, dur_s=t1 - t0, t=t1, samples=sample_ids,
+                    thread_cpu_s=time.thread_time())
         if saver is not None:
             saver.poll()
         if args.ckpt_every and step % args.ckpt_every == 0:
