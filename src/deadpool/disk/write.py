@@ -37,7 +37,7 @@ from deadpool.disk.manifest import (
     tmp_dir,
     write_durably,
 )
-from deadpool.runtime.slots import Slot, held_ranges
+from deadpool.runtime.slots import Slot
 
 
 def write_part(root: str | os.PathLike, step: int, writer: str, snapshots: Mapping[int, Slot],
@@ -92,7 +92,7 @@ def _check(rank: int, slot: Slot, step: int) -> None:
     raw = slot.data.numpy()
     starts = sorted([offset for _, _, offset, _ in specs] + [slot.nbytes])
     gaps = [(end, starts[bisect.bisect_left(starts, end)]) for end in (offset + n for _, _, offset, n in specs)]
-    held = held_ranges(slot.meta, slot.nbytes)  # a slice's bytes outside its piece are not its own: not looked at
+    held = slot.held()  # a slice's bytes outside its piece are not its own: not looked at
     if any(np.any(raw[max(a, start): min(b, end)]) for a, b in gaps for start, end in held):
         raise ValueError(f"rank {rank}'s slot has non-zero padding between its tensors: the disk keeps tensors "
                          "only, so it could not give these bytes back")

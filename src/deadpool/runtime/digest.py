@@ -122,7 +122,8 @@ def copy_hashed(sources: Sequence[Source], buffer: torch.Tensor, ranges: Sequenc
             buffer[offset + start: end].copy_(source[start: start + piece], non_blocking=non_blocking)
             if behind and end - hashed >= CHUNK:
                 hash_to(end)
-        buffer[offset + n: padded].zero_()
+        if padded > offset + n:
+            buffer[offset + n: padded].zero_()
     settle()
     hash_to(buffer.numel())
     return digest

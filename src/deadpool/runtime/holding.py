@@ -17,7 +17,7 @@ from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.plane import Interruptible, PlaneStore
 from deadpool.runtime.replica import ReplicaReceiver
-from deadpool.runtime.slots import Slot, held_ranges
+from deadpool.runtime.slots import Slot
 
 
 class Receiver:
@@ -47,7 +47,7 @@ class Receiver:
                 except ProtocolError as error:
                     ctx.events.emit("replica_rejected", of_rank=self.rank, error=str(error))
                     continue
-                ranges = held_ranges(slot.meta, slot.nbytes)
+                ranges = slot.held()
                 if ranges and ctx.faults.should_corrupt(self.rank, slot.step or 0):
                     start, end = ranges[0]
                     slot.buffer[(start + end) // 2] ^= 0xFF  # a bit flip in host memory, after the ack

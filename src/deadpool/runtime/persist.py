@@ -47,7 +47,7 @@ def copy_out(rank: int, slots: list[Slot], step: int) -> Slot:
 
 def held_nbytes(slot: Slot) -> int:
     """The bytes of a snapshot that reach the disk: those it holds (a slice: its piece and private state)."""
-    return sum(end - start for start, end in held_ranges(slot.meta, slot.nbytes))
+    return sum(end - start for start, end in slot.held())
 
 
 class Persister:

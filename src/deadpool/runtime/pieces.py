@@ -11,6 +11,7 @@ Where the pieces lie is slices.py (pure); this module moves and hashes their byt
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from contextlib import nullcontext
@@ -47,29 +48,34 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _rows(layout: Layout, piece: Piece) -> list[tuple[int, int, int, bool]]:
-    """(tensor index, first byte, end byte, whether the tensor's padding follows) of the piece's rows."""
+@functools.lru_cache(maxsize=16)
+def _rows(layout: Layout, piece: Piece) -> tuple[tuple[int, int, int, bool], ...]:
+    """(tensor index, first byte, end byte, whether the tensor's padding follows) of the piece's rows. Worked
+    out once per layout and piece: every snapshot of a generation asks again (a walk over every tensor)."""
     out = []
     for i, first, last in spans(layout, *piece):
         _, shape, _, nbytes = layout.specs[i]
         row = nbytes // (shape[0] if shape else 1)
         out.append((i, first * row, last * row, last * row == nbytes))
-    return out
+    return tuple(out)
 
 
 def sources(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece | None) -> list[Source]:
     """What a snapshot copies (digest.copy_hashed): the rows of `piece` (None: every lead tensor whole) and
     every private tensor, as flat bytes with their place in the slot and the end of their zeroed padding."""
     lead = layout.lead_nbytes
-    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
     out: list[Source] = []
     for i, start, end, last in _rows(layout, piece or (0, lead)):
         offset, nbytes = layout.specs[i][2], layout.specs[i][3]
-        out.append((flat[i][start:end], offset + start, offset + (_padded(nbytes) if last else end)))
+        out.append((_bytes(tensors[i])[start:end], offset + start, offset + (_padded(nbytes) if last else end)))
     for i, (_, _, offset, nbytes) in enumerate(layout.specs):
         if offset >= lead:
-            out.append((flat[i], offset, offset + _padded(nbytes)))
+            out.append((_bytes(tensors[i]), offset, offset + _padded(nbytes)))
     return out
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def copy_in(tensors: Sequence[torch.Tensor], layout: Layout, buffer: torch.Tensor, piece: Piece | None,
@@ -106,7 +112,7 @@ def audit(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece) -> int:
     Read straight from the tensors: no copy into a slot (from a GPU, staged to the host chunk by chunk)."""
     hasher = new_hasher()
     for i, start, end, last in _rows(layout, piece):
-        data = tensors[i].reshape(-1).view(torch.uint8)
+        data = _bytes(tensors[i])
         for a in range(start, end, CHUNK):
             chunk = data[a: min(end, a + CHUNK)]
             hasher.update((chunk.cpu() if chunk.is_cuda else chunk).numpy().data)
@@ -175,7 +181,7 @@ def _fill(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece, buffer:
     owner's snapshot holds, when the live tensors hash as that snapshot's piece."""
     for i, start, end, last in _rows(layout, piece):
         offset, nbytes = layout.specs[i][2], layout.specs[i][3]
-        buffer[offset + start: offset + end].copy_(tensors[i].reshape(-1).view(torch.uint8)[start:end])
+        buffer[offset + start: offset + end].copy_(_bytes(tensors[i])[start:end])
         if last:
             buffer[offset + nbytes: offset + _padded(nbytes)].zero_()
 

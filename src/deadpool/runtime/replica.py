@@ -90,7 +90,7 @@ class ReplicaSender:
         for tag, tensor in enumerate((header, meta)):
             _wait(self.group.send([tensor], 1, tag), self.timeout_s)
         midway()
-        for start, end in held_ranges(slot.meta, slot.nbytes):  # in order on one tag: gloo matches them in order
+        for start, end in slot.held():  # in order on one tag: gloo matches them in order
             _wait(self.group.send([slot.data[start:end]], 1, 2), self.timeout_s)
         ack = torch.zeros(3, dtype=torch.int64)
         _wait(self.group.recv([ack], 1, 3), self.timeout_s)
@@ -142,7 +142,7 @@ class ReplicaReceiver:
         got = checksum(meta_bytes, slot.data)
         ok = int(got == digest)
         if ok:
-            slot.seal(step, meta_bytes, digest, trusted=self.trusted)
+            slot.seal(step, meta_bytes, digest, trusted=self.trusted, ranges=ranges)
         self.writing = None
         _wait(self.group.send([torch.tensor([step, got, ok], dtype=torch.int64)], 0, 3), self.timeout_s)
         if not ok:

@@ -13,6 +13,7 @@ holds, which is what its checksum covers (slots.checksum), what a holder receive
 from __future__ import annotations
 
 from bisect import bisect_right
+from functools import lru_cache
 
 from deadpool.runtime.state import ALIGN, Layout
 
@@ -30,6 +31,7 @@ def _lead(layout: Layout) -> list[tuple[int, str, tuple[int, ...], int, int]]:
     return sorted(found, key=lambda t: t[3])
 
 
+@lru_cache(maxsize=16)  # asked for every snapshot of a generation; a walk over every tensor
 def cuts(layout: Layout, n: int) -> tuple[int, ...]:
     """n + 1 offsets 0 = c0 <= c1 <= ... <= cn = lead_nbytes; piece i is [c_i, c_i+1). Each inner cut is the
     row boundary nearest to i/n of the lead region (a tensor's last row ends at its padded end), so pieces

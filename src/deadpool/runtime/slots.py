@@ -72,13 +72,14 @@ class Slot:
     nbytes: int = 0
     digest: int = 0  # the checksum it was sealed with (digest.py), a signed int64
     trusted: bool = False
+    ranges: list[tuple[int, int]] | None = field(default=None, repr=False)  # held(), once worked out
 
     def reserve(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         """Marks the slot empty and returns its first `nbytes` bytes. A new arena of exactly `nbytes` is
         made only when the buffer is too small, or not pinned when `pin` asks for it: a snapshot's size
         settles after the first optimizer step (which creates the optimizer's state), so each slot is
         pinned once."""
-        self.step = None
+        self.step, self.ranges = None, None
         if self.buffer.numel() < nbytes or (pin and not self.pinned):
             self.buffer = torch.empty(0, dtype=torch.uint8)  # the old arena goes before the new one is made
             self.buffer, self.pinned = host_buffer(nbytes, pin), pin
@@ -89,8 +90,16 @@ class Slot:
     def data(self) -> torch.Tensor:
         return self.buffer[: self.nbytes]
 
-    def seal(self, step: int, meta: bytes, digest: int, trusted: bool = False) -> None:
-        self.meta, self.digest, self.step, self.trusted = meta, digest, step, trusted
+    def seal(self, step: int, meta: bytes, digest: int, trusted: bool = False,
+             ranges: list[tuple[int, int]] | None = None) -> None:
+        """`ranges`: held_ranges of `meta`, where the caller knows them (else worked out when asked)."""
+        self.meta, self.digest, self.step, self.trusted, self.ranges = meta, digest, step, trusted, ranges
+
+    def held(self) -> list[tuple[int, int]]:
+        """The byte ranges this slot's snapshot holds (held_ranges), parsed from its metadata at most once."""
+        if self.ranges is None:
+            self.ranges = held_ranges(self.meta, self.nbytes)
+        return self.ranges
 
     def intact(self) -> bool:
         """Recomputes the checksum: a slot whose bytes changed since it was sealed is never restored from."""
@@ -123,13 +132,24 @@ def make_meta(step: int, skeleton: object, layout: Layout, numpy_flags: list[boo
               stable: list[bool], replicated: bool, piece: tuple[int, int] | None = None) -> bytes:
     """What a slot's bytes are: the skeleton and each tensor's place. `stable` marks parameters and optimizer
     state; `replicated`: those are identical on every data-parallel rank (the disk tier writes them once).
-    `lead`: where the stable tensors end; `piece`: the bytes of them this slot holds (slices.py; None: all)."""
-    meta = {"step": step, "skeleton": skeleton, "tensors": layout.to_json(), "numpy": numpy_flags,
-            "cuda": cuda_flags, "stable": stable, "replicated": replicated, "nbytes": layout.nbytes,
-            "lead": layout.lead_nbytes}
-    if piece is not None:
-        meta["slice"] = list(piece)
-    return json.dumps(meta).encode()
+    `lead`: where the stable tensors end; `piece`: the bytes of them this slot holds (slices.py; None: all).
+
+    The bytes are json.dumps of {"step", "skeleton", "tensors", "numpy", "cuda", "stable", "replicated",
+    "nbytes", "lead"[, "slice"]}, in that order; all but the step and the skeleton are the same for every
+    snapshot of one layout, so that part is encoded once (tens of kB for a real model)."""
+    varying = json.dumps({"step": step, "skeleton": skeleton})
+    fixed = _fixed_meta(layout, tuple(numpy_flags), tuple(cuda_flags), tuple(stable), replicated)
+    sliced = "" if piece is None else ", " + json.dumps({"slice": list(piece)})[1:-1]
+    return f"{varying[:-1]}, {fixed}{sliced}}}".encode()
+
+
+@functools.lru_cache(maxsize=8)
+def _fixed_meta(layout: Layout, numpy_flags: tuple[bool, ...], cuda_flags: tuple[bool, ...],
+                stable: tuple[bool, ...], replicated: bool) -> str:
+    """make_meta's fields after the skeleton, as JSON members without their braces."""
+    return json.dumps({"tensors": layout.to_json(), "numpy": list(numpy_flags), "cuda": list(cuda_flags),
+                       "stable": list(stable), "replicated": replicated, "nbytes": layout.nbytes,
+                       "lead": layout.lead_nbytes})[1:-1]
 
 
 def free_slot(slots: list[Slot], committed: int | None, abandoned: list[int]) -> Slot | None:

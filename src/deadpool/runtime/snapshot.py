@@ -35,7 +35,8 @@ from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.pieces import audited, copy_in, piece_of
 from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.replica import ReplicaSender
-from deadpool.runtime.slots import Slot, free_slot, held_ranges, make_meta
+from deadpool.runtime.slices import held
+from deadpool.runtime.slots import Slot, free_slot, make_meta
 from deadpool.runtime.state import Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
 
@@ -293,7 +294,7 @@ class _Run:
                          self.engine.replicated, piece)
         fingerprint, whole = digest.finish(meta)
         copied = time.monotonic()
-        slot.seal(job.step, meta, whole, trusted=True)
+        slot.seal(job.step, meta, whole, trusted=True, ranges=held(job.layout.lead_nbytes, job.layout.nbytes, piece))
         self.fingerprints[job.step] = fingerprint
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
@@ -315,7 +316,7 @@ class _Run:
         self.durable.add(job.step)
         self._report(plane)
         self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders), bytes=slot.nbytes,
-                             held=sum(b - a for a, b in held_ranges(slot.meta, slot.nbytes)), send_s=send_s)
+                             held=sum(b - a for a, b in slot.held()), send_s=send_s)
 
     def _reserve(self, job: _Job, plane: ControlPlane) -> Slot | None:
         """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""

@@ -149,6 +149,27 @@ def test_make_meta_is_json():
                     "nbytes": 128, "lead": 0}
 
 
+def test_make_meta_is_byte_for_byte_what_json_writes_of_the_whole():
+    """Its fixed part is encoded once per layout; the bytes must still be json.dumps of the whole record,
+    which is what the disk tier writes back when it reads a snapshot (disk/read.py), so its checksum holds."""
+    flat = flatten(sample_tree())
+    layout = Layout.of(flat.tensors, lead=flat.stable)
+    for step, piece in ((3, None), (4, (64, 128)), (5, (64, 128))):
+        meta = make_meta(step, flat.skeleton, layout, flat.numpy, flat.cuda, flat.stable, True, piece)
+        assert meta == json.dumps(json.loads(meta)).encode()
+        assert json.loads(meta)["step"] == step and json.loads(meta).get("slice") == (list(piece) if piece else None)
+
+
+def test_a_slot_parses_what_it_holds_once_and_forgets_it_when_reused():
+    slot = Slot()
+    flat, layout, meta = fill(slot, 1, sample_tree())
+    assert slot.held() == [(0, layout.nbytes)] and slot.held() is slot.held()
+    slot.seal(2, meta, slot.digest, ranges=[(0, 8)])  # the writer knows them: not parsed again
+    assert slot.held() == [(0, 8)]
+    slot.reserve(layout.nbytes)
+    assert slot.ranges is None
+
+
 def test_tensors_round_trip_through_a_slot():
     tree = sample_tree()
     slot = Slot()
