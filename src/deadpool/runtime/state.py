@@ -147,12 +147,13 @@ def _placement(tensor: DTensor, path: str) -> dict[str, Any]:
 
 
 def _view_key(tensor: torch.Tensor) -> tuple | None:
-    """What makes two tensors the same bytes: storage, offset, dtype, shape and strides. None for tensors
+    """What makes two tensors the same bytes: where they start, dtype, shape and strides. None for tensors
     that are never shared this way (empty ones, and subclasses such as DTensor, which own no storage)."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel():
         return None
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
-            tuple(tensor.shape), tensor.stride())
+    # the address of the first element stands for (storage, offset): two live tensors that start at one address
+    # share a storage (asked for every tensor at every snapshot: cheaper than making a storage object)
+    return tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool],
