@@ -83,21 +83,28 @@ def replica_memory(events: list[dict[str, Any]]) -> dict[str, int]:
 def host_memory(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Process -> the peak host bytes of its own snapshot slots (`slot_memory`: 2 x its snapshot), of the
     replicas it holds (`replica_memory`, per held rank: 2 x that rank's snapshot; 0 once dropped), and of
-    both at once, and whether any of it was pinned. Each slot is one arena of exactly its snapshot's bytes."""
+    both at once, and whether any of it was pinned. Each slot is one arena of exactly its snapshot's bytes.
+
+    `replica_held_bytes`: of the replicas' arenas, the bytes written (2 x what the holder was sent: under
+    slices a piece and the private state). Only those are ever touched, so only those become resident:
+    the rest of an unpinned arena stays address space (docs/benchmarks.md, "Host memory per process")."""
     slots: dict[str, int] = {}
-    held: dict[str, dict[int, int]] = {}
+    held: dict[str, dict[int, tuple[int, int]]] = {}  # holder -> rank -> (arena bytes, bytes written)
     peak: dict[str, dict[str, Any]] = {}
     for e in events:
         if e["event"] == "slot_memory":
             slots[e["proc"]] = e["bytes"]
         elif e["event"] == "replica_memory":
-            held.setdefault(e["proc"], {})[e["of_rank"]] = e["bytes"]
+            held.setdefault(e["proc"], {})[e["of_rank"]] = (e["bytes"], 2 * e["held"] if "held" in e else e["bytes"])
         else:
             continue
         proc = e["proc"]
-        now = {"slots_bytes": slots.get(proc, 0), "replica_bytes": sum(held.get(proc, {}).values())}
-        mine = peak.setdefault(proc, {"slots_bytes": 0, "replica_bytes": 0, "total_bytes": 0, "pinned": False})
-        for key, nbytes in (*now.items(), ("total_bytes", sum(now.values()))):
+        replicas = held.get(proc, {}).values()
+        now = {"slots_bytes": slots.get(proc, 0), "replica_bytes": sum(a for a, _ in replicas)}
+        mine = peak.setdefault(proc, {"slots_bytes": 0, "replica_bytes": 0, "total_bytes": 0,
+                                      "replica_held_bytes": 0, "pinned": False})
+        for key, nbytes in (*now.items(), ("total_bytes", sum(now.values())),
+                            ("replica_held_bytes", sum(w for _, w in replicas))):
             mine[key] = max(mine[key], nbytes)
         mine["pinned"] = mine["pinned"] or e.get("pinned", False)
     return dict(sorted(peak.items()))

@@ -209,5 +209,8 @@ def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path):
     memory = job.summary["memory"]
     assert (memory["w1"]["slots_bytes"], memory["w1"]["replica_bytes"]) == (2 * size[1], 0)
     assert memory["s0"]["replica_bytes"] == sum(2 * n for n in size.values())
+    # of which written (hence resident): each rank's piece and private state, twice (sliced: less than its snapshot)
+    held = {r: max(e["held"] for e in job.named("snapshot") if e["rank"] == r and e["gen"] == 0) for r in range(4)}
+    assert memory["s0"]["replica_held_bytes"] == sum(2 * n for n in held.values()) < memory["s0"]["replica_bytes"]
     # w0 holds rank 3's replicas after the recovery (the pool is empty): peak of both at once
     assert memory["w0"]["total_bytes"] == 2 * size[0] + 2 * size[3]

@@ -168,20 +168,21 @@ def test_replica_memory_counts_what_each_holder_holds_under_the_last_plan(tmp_pa
 
 def test_memory_is_each_processes_peak_of_its_own_slots_and_the_replicas_it_holds(tmp_path):
     """w0's slots grow once (snapshot 0 precedes the optimizer's state); s0 holds ranks 0 and 1, then takes
-    rank 0 over and drops its replica (0 bytes): its peak is both replicas at once, not the sum of events."""
+    rank 0 over and drops its replica (0 bytes): its peak is both replicas at once, not the sum of events.
+    Of rank 1's replica it was sent a piece (18 of 60 bytes): its two slots have 36 bytes written."""
     path = tmp_path / "events.jsonl"
     write(path, [
         ev("slot_memory", 1.0, 0, 0, proc="w0", bytes=20, slots=2, pinned=False),
         ev("replica_memory", 1.25, 0, proc="s0", of_rank=0, bytes=20, pinned=False),
         ev("slot_memory", 1.5, 0, 0, proc="w0", bytes=60, slots=2, pinned=False),
-        ev("replica_memory", 1.5, 0, proc="s0", of_rank=1, bytes=60, pinned=False),
+        ev("replica_memory", 1.5, 0, proc="s0", of_rank=1, bytes=60, held=18, pinned=False),  # a piece of it
         ev("replica_memory", 1.625, 0, proc="s0", of_rank=0, bytes=60, pinned=False),
         ev("replica_memory", 2.0, 1, proc="s0", of_rank=0, bytes=0, pinned=False),  # dropped: it took rank 0
         ev("slot_memory", 2.5, 1, 0, proc="s0", bytes=60, slots=2, pinned=True),
     ])
     assert summarize(path, exit_code=0)["memory"] == {
-        "s0": {"slots_bytes": 60, "replica_bytes": 120, "total_bytes": 120, "pinned": True},
-        "w0": {"slots_bytes": 60, "replica_bytes": 0, "total_bytes": 60, "pinned": False}}
+        "s0": {"slots_bytes": 60, "replica_bytes": 120, "total_bytes": 120, "replica_held_bytes": 96, "pinned": True},
+        "w0": {"slots_bytes": 60, "replica_bytes": 0, "total_bytes": 60, "replica_held_bytes": 0, "pinned": False}}
 
 
 def test_auto_reports_its_interval_and_the_replay_it_implies_per_generation(tmp_path):
