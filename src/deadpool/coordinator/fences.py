@@ -88,7 +88,7 @@ def look_for_silence(s: State, alive: Mapping[str, int], arrived: Mapping[str, f
         if proc not in seen or seen[proc].beats != beats:
             seen[proc] = Alive(beats, arrived.get(proc, now))
     s = replace(s, alive=seen)
-    limit = max(s.config.silence_timeout_s, _timeout(s).value or 0.0)
+    limit = max(s.config.silence_timeout_s, _timeout_s(s))
     if s.phase is Phase.STEADY:
         judged, during = s.plan.spares, "while holding replicas"
     elif s.phase in RECOVERING:
@@ -112,7 +112,7 @@ def next_verdict_t(s: State) -> float:
     """The earliest moment a steady state's hang or silence verdict could fall due if nobody beat again: each
     rank's last beat + the silence timeout and last progress + the hang timeout, each idle spare's last beacon
     + the longer of both (a lower bound: the rules themselves decide). The shell sleeps no longer than that."""
-    silence, timeout = s.config.silence_timeout_s, _timeout(s).value or float("inf")
+    silence, timeout = s.config.silence_timeout_s, _timeout_s(s)
     ranks = [min(v.beat_t + silence, v.progress_t + timeout) for p, v in s.live.items()
              if v.beat is not None and p in s.plan.ranks and p not in s.fenced]
     spares = [s.alive[p].since + max(silence, timeout) for p in s.plan.spares
@@ -130,3 +130,10 @@ def _fence(s: State, proc: str, rank: int | None, cause: str, last: float, now: 
 def _timeout(s: State) -> Decision[float]:
     """The hang timeout in force: the user's, or from the ranks' step times as last seen in the steady state."""
     return hang_timeout(s.config.hang_timeout_s, [v.beat.step_s for v in s.live.values() if v.beat and v.beat.step_s])
+
+
+def _timeout_s(s: State) -> float:
+    """_timeout's seconds: hang_timeout always has a value (the user's, the step-based one, or the untimed one)."""
+    value = _timeout(s).value
+    assert value is not None
+    return value
