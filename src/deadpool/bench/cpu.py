@@ -1,10 +1,12 @@
 """The CPU time a whole job spends, sampled from /proc: this process (the bench, which runs DeadPool's launcher
 in-process) and every process below it (workers, spares, torchrun's agent), alive or already reaped.
 
-Step times on a shared machine drift with its other load by more than the few per cent a benchmark must
-resolve (rounds of one variant spread 15-20 % here); CPU seconds per step drift far less: another tenant
-slows our steps but does not add to our processes' CPU time. Reported beside step times, never instead of
-them: a step that waits (on the network, on a peer) costs time and no CPU.
+Step times on a shared machine drift by more than the few per cent a benchmark must resolve (rounds of one
+variant spread 15-20 % here). Where the drift is other processes' load, CPU seconds per step do not follow
+it: another tenant slows our steps but adds nothing to our CPU time. Where it is the cores' own speed (this
+development VM: CPU per step tracked step time exactly, docs/benchmarks.md), they drift alike. Reported
+beside step times, never instead of them: a step that waits (on the network, on a peer) costs time and no
+CPU.
 
 Linux only (/proc/<pid>/stat, /proc/<pid>/task/<tid>/children); elsewhere the sampler records nothing.
 """

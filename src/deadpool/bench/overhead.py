@@ -40,8 +40,9 @@ the per-round figures).
 CPU per step (bench/cpu.py), beside the step time: the whole job's CPU seconds per measured step (this
 process, which runs DeadPool's launcher, and every process it started: workers, spares, torchrun's agent),
 and one training thread's (mean over ranks). Another tenant's load lengthens steps but adds no CPU to
-ours, so on a shared machine the CPU ratio resolves differences that step times' drift hides; a cost
-that is waiting rather than computing shows in step time only.
+ours, so where that is the noise the CPU ratio resolves what step times' drift hides (not where the cores'
+speed itself drifts, as on the development VM); a cost that is waiting rather than computing shows in step
+time only.
 """
 
 from __future__ import annotations
@@ -299,8 +300,9 @@ def _cpu_note(run: dict[str, Any]) -> str:
 
 
 def _median_or_none(runs: list[dict[str, Any]], key: str) -> float | None:
-    values = [r.get(key) for r in runs]
-    return statistics.median(v for v in values if v is not None) if values and None not in values else None
+    """The median over rounds, or None if a round was not measured (a median of the others would be skewed)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values and len(values) == len(runs) else None
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:
