@@ -6,18 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, loopback_bandwidth, measure_bandwidths, traffic
+from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, loopback_rates, measure_bandwidths, traffic
 from deadpool.bench.overhead import VARIANTS, measure, summarize
 from deadpool.bench.overhead_table import table
 
 GB = 1e9
-MACHINE = Bandwidths(memcpy=2 * GB, hash=4 * GB, crc32=1 * GB, copy_and_hash=1.5 * GB, loopback=1 * GB,
-                     hash_name="xxh3_64", cores=2)
+MACHINE = Bandwidths(memcpy=2 * GB, hash=4 * GB, crc32=1 * GB, copy_and_hash=1.5 * GB, loopback=3 * GB,
+                     loopback_cpu=1 * GB, hash_name="xxh3_64", cores=2)
 
 
 def test_the_bound_is_each_bytes_cpu_time_at_one_core_bandwidths_spread_over_the_cores():
+    """A send is priced at the loopback stream's CPU rate (both ends), not its faster wall-clock rate."""
     moved = Traffic(copied=4e6, hashed=8e6, sent=4e6, hash_name="xxh3_64")
-    # (4 MB / 2 GB/s + 8 MB / 4 GB/s + 4 MB / 1 GB/s) / 2 cores = (2 + 2 + 4) ms / 2
+    # (4 MB / 2 GB/s + 8 MB / 4 GB/s + 4 MB / 1 GB per CPU-second) / 2 cores = (2 + 2 + 4) ms / 2
     assert copy_limit_s(moved, MACHINE) == pytest.approx(0.004)
 
 
@@ -82,13 +83,15 @@ def test_a_cost_below_zero_is_called_noise_not_a_multiple():
     assert rows[1]["copy_limit"]["multiple"] < 0 and " noise " in table(rows)
 
 
-def test_loopback_moves_the_bytes_and_reports_a_rate():
-    assert loopback_bandwidth(3 * 2**20 + 5) > 0
+def test_loopback_moves_the_bytes_and_reports_both_rates():
+    wall, cpu = loopback_rates(3 * 2**20 + 5)
+    assert wall > 0 and cpu > 0
 
 
 def test_bandwidths_are_measured_on_one_thread_and_the_thread_count_restored():
     threads = torch.get_num_threads()
     measured = measure_bandwidths(2**20)
     assert torch.get_num_threads() == threads
-    assert min(measured.memcpy, measured.hash, measured.crc32, measured.copy_and_hash, measured.loopback) > 0
+    assert min(measured.memcpy, measured.hash, measured.crc32, measured.copy_and_hash, measured.loopback,
+               measured.loopback_cpu) > 0
     assert measured.hash_name == "xxh3_64" and "xxh3_64" in measured.line()
