@@ -112,7 +112,8 @@ def test_each_backward_pass_has_its_own_graph_task_id_and_a_tied_weight_one_hook
 
 def test_creating_adamw_imports_dynamo():
     """Why a spare imports torch._dynamo while idle: otherwise ~1 s of the swap is this import."""
-    code = "import sys, torch; torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]); print('torch._dynamo' in sys.modules)"
+    code = ("import sys, torch; torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]); "
+            "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr
 

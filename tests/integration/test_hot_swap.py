@@ -127,7 +127,8 @@ def test_deaths_in_start_up_are_taken_over_and_every_rank_begins_afresh_bit_for_
 
 
 def test_failure_with_no_spare_left_ends_with_a_clear_error(tmp_path):
-    faults = (Fault(kind="kill", rank=1, step=3, phase="backward"), Fault(kind="kill", rank=2, step=6, phase="backward"))
+    faults = (Fault(kind="kill", rank=1, step=3, phase="backward"),
+              Fault(kind="kill", rank=2, step=6, phase="backward"))
     started = time.monotonic()
     job = run_job(tmp_path, workers=3, spares=1, faults=faults)  # ranks 1 and 2 fail: three ranks show it
     assert time.monotonic() - started < 60  # bounded: nothing waits for a timeout

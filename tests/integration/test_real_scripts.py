@@ -111,7 +111,8 @@ def test_the_port_survives_rank_0_killed_halfway_through_its_checkpoint(port_ref
     assert job.summary["final_state_sha256"] == port_reference.summary["final_state_sha256"]
     assert losses(job) == losses(port_reference)
     for name in ("final.pt", "ckpt.pt"):  # the half-written checkpoint was written again, whole
-        mine, reference = (torch.load(d / "out" / name, weights_only=True) for d in (job.run_dir, port_reference.run_dir))
+        mine, reference = (torch.load(d / "out" / name, weights_only=True)
+                           for d in (job.run_dir, port_reference.run_dir))
         assert_same_weights(mine["model"] if name == "ckpt.pt" else mine,
                             reference["model"] if name == "ckpt.pt" else reference)
 
@@ -196,7 +197,8 @@ def test_a_spare_compiles_while_it_waits_and_a_compiled_job_swaps_bit_for_bit(tm
     that is replaced by it, and the compiled run ends bit for bit as the failure-free compiled run. Until the
     kill, steps are paused 0.5 s (30 s in all: the spare's time to warm up); after it, they run at full speed."""
     args, steps, acted = (*SMALL, "--compile", "--log-every", "1000"), 60, tmp_path / "acted"
-    reference = run_job(tmp_path / "reference", steps=steps, workers=2, spares=0, script_args=args)  # no spare compiling
+    # no spare compiling
+    reference = run_job(tmp_path / "reference", steps=steps, workers=2, spares=0, script_args=args)
     assert reference.code == 0, reference.summary
     job = Background(tmp_path / "swap", steps=steps, workers=2, spares=1, script_args=args,
                      script=SCRIPTS / "slow_steps.py", script_prefix=("0.5", "--until", str(acted)))

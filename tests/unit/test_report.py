@@ -268,7 +268,8 @@ def test_two_swaps_first_is_attributed_to_its_kill(tmp_path):
     summary = summarize(path, exit_code=0)
     assert summary["swaps"] == 2
     first = summary["recoveries"][0]
-    assert (first["generation"], first["kill_step"], first["detect_s"], first["fault_to_next_step_s"]) == (1, 7, 0.5, 2.0)
+    times = (first["generation"], first["kill_step"], first["detect_s"], first["fault_to_next_step_s"])
+    assert times == (1, 7, 0.5, 2.0)
 
 
 def test_two_swaps_second_is_not_attributed_to_the_first_kill(tmp_path):

@@ -3,8 +3,9 @@
 import os
 import signal
 
-import deadpool
 import torch
+
+import deadpool
 
 session = deadpool.init()
 model = session.wrap(torch.nn.Linear(4, 1))

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "gpt"))
-import deadpool  # noqa: E402
 from data import BatchSampler, CharTokenizer, load_text, make_batch  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+
+import deadpool  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, required=True)

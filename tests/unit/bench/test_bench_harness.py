@@ -36,7 +36,8 @@ def torchrun_like() -> list[dict]:
 
 def test_row_for_a_restart_from_an_older_checkpoint():
     row = recovery_row("torchrun", 1, torchrun_like(), REFERENCE)
-    assert row == {"system": "torchrun", "fault": "kill", "rep": 1, "kill_step": 6, "spare_warm_before_fault": None, "resumed_from": 3,
+    assert row == {"system": "torchrun", "fault": "kill", "rep": 1, "kill_step": 6, "spare_warm_before_fault": None,
+                   "resumed_from": 3,
                    "fault_to_next_step_s": 9.0 - 5.5, "fault_to_frontier_s": 11.0 - 5.5,
                    "steps_lost": 2, "samples_lost": 0, "samples_unexpected": 0, "bitwise_equal": True}
 
@@ -84,7 +85,8 @@ def test_row_measures_from_a_hang_like_from_a_kill():
 
 def test_row_of_a_run_that_never_recovered_has_no_times():
     row = recovery_row("torchrun", 0, stalled_after_hang(), REFERENCE)
-    assert row == {"system": "torchrun", "fault": "hang", "rep": 0, "kill_step": 6, "spare_warm_before_fault": None, "resumed_from": None,
+    assert row == {"system": "torchrun", "fault": "hang", "rep": 0, "kill_step": 6, "spare_warm_before_fault": None,
+                   "resumed_from": None,
                    "fault_to_next_step_s": None, "fault_to_frontier_s": None,
                    "steps_lost": None, "samples_lost": 3,  # steps 6..8 never trained
                    "samples_unexpected": 0, "bitwise_equal": False}  # no finished event
@@ -127,7 +129,8 @@ def test_plots_are_written_as_png(tmp_path):
              {"axis": "state", "workers": 4, "fault_to_next_step_s": 1.0, "snapshot_bytes": 2e6}]
     paths = plot_recovery(tmp_path, rows, scale, {"torchrun, kill": timeline(torchrun_like()),
                                                   "torchrun, hang": timeline(stalled_after_hang())})
-    paths.append(plot_overhead(tmp_path, {"3M x 4 ranks": {"deadpool-off": [0.3, 0.31], "deadpool-every-1": [0.36, 0.37]}}))
+    paths.append(plot_overhead(tmp_path, {"3M x 4 ranks": {"deadpool-off": [0.3, 0.31],
+                                                            "deadpool-every-1": [0.36, 0.37]}}))
     assert [p.name for p in paths] == ["recovery_times.png", "recovery_timeline.png", "recovery_scaling.png",
                                        "overhead.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
@@ -150,7 +153,8 @@ def torchft_like() -> tuple[list[dict], list[dict]]:
 def test_row_for_torchft_counts_skipped_batches_by_sample_id():
     events, reference = torchft_like()
     row = recovery_row("torchft", 0, events, reference)
-    assert row == {"system": "torchft", "fault": "kill", "rep": 0, "kill_step": 4, "spare_warm_before_fault": None, "resumed_from": 3,
+    assert row == {"system": "torchft", "fault": "kill", "rep": 0, "kill_step": 4, "spare_warm_before_fault": None,
+                   "resumed_from": 3,
                    "fault_to_next_step_s": 8.5 - 3.5, "fault_to_frontier_s": 8.5 - 3.5, "steps_lost": 0,
                    "samples_lost": 4,  # replica 0's discarded batch 4; replica 1's 4 (in flight), 5 and 6
                    "samples_unexpected": 2,  # both replicas' batch 7, past the failure-free run's end

@@ -15,7 +15,6 @@ from deadpool.coordinator.hangs import (
 )
 from deadpool.coordinator.policy import Decision
 
-
 # ---- hang_timeout / hang_verdict ------------------------------------------------------------
 
 def test_hang_timeout_prefers_the_users_setting():

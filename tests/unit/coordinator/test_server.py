@@ -1,12 +1,15 @@
 """Tests for deadpool/coordinator/server.py: the shell applies the machine's effects to a store and processes."""
 
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from deadpool.config import JobConfig
+from deadpool.coordinator import server
 from deadpool.coordinator.machine import start
 from deadpool.coordinator.server import Coordinator
-from deadpool.coordinator.state import Persisting
+from deadpool.coordinator.state import Persisting, PublishStatus
+from deadpool.coordinator.transitions import status_of
 from deadpool.events import EventLog, read_events
 from deadpool.protocol.keys import Keys
 from deadpool.protocol.plane import ControlPlane
@@ -148,3 +151,32 @@ def test_a_report_or_an_exit_wakes_the_coordinator_and_a_heartbeat_or_its_own_wr
     coordinator.woken.clear()
     coordinator.request_stop()  # SIGTERM
     assert coordinator.woken.is_set()
+
+
+def test_status_json_waits_for_a_commit_alone_and_never_for_anything_else(tmp_path, monkeypatch):
+    """The store's copy is always the newest; the file takes a new commit at most every STATUS_FILE_EVERY_S
+    (a snapshot every step commits every step), any other change at once, and whatever is pending at the end.
+    The interval is an hour here, so that no pause of this test's own can make a write due."""
+    monkeypatch.setattr(server, "STATUS_FILE_EVERY_S", 3600.0)
+    config = JobConfig(**CONFIG, run_dir=str(tmp_path))
+    store, keys, events = Store(), Keys("tok"), EventLog(tmp_path / "events.jsonl", role="coordinator", proc="c")
+    coordinator = Coordinator(config, store, events, Processes(store, keys, {}))
+    first = status_of(start(config)[0])
+
+    def publish(status: JobStatus) -> JobStatus:
+        coordinator._apply(PublishStatus(status))
+        assert store.get(keys.status(), JobStatus) == status
+        return JobStatus.from_json((tmp_path / "status.json").read_text())
+
+    assert publish(first) == first
+    assert publish(replace(first, committed=1)) == first  # a commit alone, within the interval: waits
+    assert publish(replace(first, committed=2)) == first
+    coordinator._write_status_file(time.monotonic())  # a tick within the interval: still waits
+    assert JobStatus.from_json((tmp_path / "status.json").read_text()) == first
+    coordinator._write_status_file(time.monotonic() + 3600.0)  # a tick after it: written
+    assert JobStatus.from_json((tmp_path / "status.json").read_text()) == replace(first, committed=2)
+    moved = replace(first, committed=3, phase="settling")
+    assert publish(moved) == moved  # anything else: at once, with the commit that came with it
+    assert publish(replace(moved, committed=4)) == moved
+    coordinator._write_status_file(time.monotonic(), due_only=False)  # the job's end: whatever is pending
+    assert JobStatus.from_json((tmp_path / "status.json").read_text()) == replace(moved, committed=4)

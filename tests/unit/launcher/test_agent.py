@@ -18,7 +18,8 @@ def env_of(config: JobConfig, name: str, role: str, rank: int, inherited: dict |
 
 def test_identity_is_deadpools_and_torchruns():
     env = env_of(CONFIG, "w1", "worker", 1)
-    assert (env["DEADPOOL_PROC"], env["DEADPOOL_ROLE"], env["DEADPOOL_CONFIG"]) == ("w1", "worker", "runs/x/config.json")
+    proc = (env["DEADPOOL_PROC"], env["DEADPOOL_ROLE"], env["DEADPOOL_CONFIG"])
+    assert proc == ("w1", "worker", "runs/x/config.json")
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "1", "2")
     assert env_of(CONFIG, "s0", "spare", 2)["RANK"] == "2"  # a placeholder past the workers' ranks
 

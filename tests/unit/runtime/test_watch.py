@@ -6,6 +6,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.plane import control_plane
+
 from deadpool.config import JobConfig
 from deadpool.events import EventLog
 from deadpool.protocol.keys import Keys
@@ -17,7 +19,6 @@ from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.watch import ABORT_SLICE_S, BEAT_EVERY_S, Progress, Watch
-from tests.plane import control_plane
 
 
 def _watch(tmp_path: Path, fields: dict, aborts: list[float],
