@@ -14,13 +14,18 @@ snapshot's CPU time is taken from it, at best evenly):
 threads together (each end copies every byte once, in the kernel); the stream's wall-clock rate, which
 runs both ends at once on two cores, is reported beside it but would understate the CPU a send takes.
 
-A measured cost (every-step step time minus snapshots-off step time) is stated as a multiple of it.
+A measured cost (every-step step time minus snapshots-off step time) is stated as a multiple of it, and so
+is the snapshot's own CPU time (the job's CPU per step beside its training threads, every step minus
+snapshots off) against the bytes' CPU time (the bound before spreading it over the cores). Step times on a
+shared or frequency-scaled machine swing by more than a snapshot costs; the CPU beside training swings
+less, and leaves out what the snapshot's memory traffic costs the training threads (in the first figure).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import statistics
 import threading
 import time
 import zlib
@@ -71,11 +76,37 @@ class Traffic:
     hash_name: str
 
 
+def bytes_cpu_s(traffic: Traffic, bandwidths: Bandwidths) -> float:
+    """The CPU time the bytes need at one-core bandwidths."""
+    return (traffic.copied / bandwidths.memcpy + traffic.hashed / bandwidths.of_hash(traffic.hash_name)
+            + traffic.sent / bandwidths.loopback_cpu)
+
+
 def copy_limit_s(traffic: Traffic, bandwidths: Bandwidths) -> float:
-    """The module docstring's bound: the snapshot's CPU time at one-core bandwidths, over every core."""
-    cpu_s = (traffic.copied / bandwidths.memcpy + traffic.hashed / bandwidths.of_hash(traffic.hash_name)
-             + traffic.sent / bandwidths.loopback_cpu)
-    return cpu_s / bandwidths.cores
+    """The module docstring's bound: the bytes' CPU time spread over every core."""
+    return bytes_cpu_s(traffic, bandwidths) / bandwidths.cores
+
+
+def copy_limit(runs: list[dict[str, Any]], cost_s: float, cpu_cost_s: float | None,
+               bandwidths: Bandwidths | None) -> dict[str, Any] | None:
+    """A DeadPool row's bytes per step (median over rounds), the bound they imply on this machine, and the
+    measured costs as multiples of it: in step time (`cost_s`, over snapshots off) and in CPU time beside
+    the training threads (`cpu_cost_s`, against the bytes' CPU time)."""
+    moved = [r["traffic"] for r in runs if r.get("traffic") is not None]
+    if not moved or not any(t.copied for t in moved):
+        return None
+    per_step = Traffic(copied=statistics.median(t.copied for t in moved),
+                       hashed=statistics.median(t.hashed for t in moved),
+                       sent=statistics.median(t.sent for t in moved), hash_name=moved[0].hash_name)
+    bound = copy_limit_s(per_step, bandwidths) if bandwidths else None
+    bound_cpu = bytes_cpu_s(per_step, bandwidths) if bandwidths else None
+    busy = [r["snapshot_busy_s"] for r in runs if r.get("snapshot_busy_s") is not None]
+    return {"copied_bytes": per_step.copied, "hashed_bytes": per_step.hashed, "sent_bytes": per_step.sent,
+            "hash": per_step.hash_name, "cost_s": cost_s, "bound_s": bound,
+            "multiple": cost_s / bound if bound else None,
+            "cpu_cost_s": cpu_cost_s, "bound_cpu_s": bound_cpu,
+            "cpu_multiple": cpu_cost_s / bound_cpu if bound_cpu and cpu_cost_s is not None else None,
+            "snapshot_busy_s": statistics.median(busy) if busy else None}
 
 
 def traffic(events: list[dict[str, Any]], first_step: int, last_step: int) -> Traffic:

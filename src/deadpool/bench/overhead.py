@@ -59,7 +59,7 @@ from typing import Any
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
 from deadpool.bench.cpu import JobCpu
-from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, measure_bandwidths, traffic
+from deadpool.bench.limits import Bandwidths, copy_limit, measure_bandwidths, traffic
 from deadpool.bench.overhead_table import table
 from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
@@ -198,8 +198,9 @@ def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None
     blocked: of that, seconds the training thread spent in the fault-tolerance mechanism: DeadPool's
     wait for a snapshot copy (step.wait_s, inside the step), DCP's save call after the previous step
     (checkpoint.save_s: sync, the whole save; async, staging and waiting for the previous save).
-    CPU per step (cpu.py), over the same window: the whole job's (`cpu`, sampled while it ran), and a
-    training thread's (its step events' thread_cpu_s, mean over ranks).
+    CPU per step (cpu.py), over the same window: the whole job's (`cpu`, sampled while it ran), a
+    training thread's (its step events' thread_cpu_s, mean over ranks), and what is left of the job's
+    beside every rank's training thread (gradient and replica streams, snapshots, holders, the launcher).
     """
     ends: dict[tuple[int, int], float] = {}
     thread_cpu: dict[tuple[int, int], float] = {}
@@ -244,24 +245,9 @@ def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None
             # saves taken inside the window but written after it: their background cost is partly unmeasured
             "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items()),
             "job_cpu_s": None if job_cpu is None else job_cpu / n_steps,
-            "train_cpu_s": statistics.fmean(train_cpu) if len(train_cpu) == len(ranks) else None}
-
-
-def copy_limit(runs: list[dict[str, Any]], cost_s: float, bandwidths: Bandwidths | None) -> dict[str, Any] | None:
-    """A DeadPool row's bytes per step (median over rounds), the bound they imply on this machine
-    (limits.py), and the measured cost (step time over snapshots off) as a multiple of it."""
-    moved = [r["traffic"] for r in runs if r.get("traffic") is not None]
-    if not moved or not any(t.copied for t in moved):
-        return None
-    per_step = Traffic(copied=statistics.median(t.copied for t in moved),
-                       hashed=statistics.median(t.hashed for t in moved),
-                       sent=statistics.median(t.sent for t in moved), hash_name=moved[0].hash_name)
-    bound = copy_limit_s(per_step, bandwidths) if bandwidths else None
-    busy = [r["snapshot_busy_s"] for r in runs if r.get("snapshot_busy_s") is not None]
-    return {"copied_bytes": per_step.copied, "hashed_bytes": per_step.hashed, "sent_bytes": per_step.sent,
-            "hash": per_step.hash_name, "cost_s": cost_s, "bound_s": bound,
-            "multiple": cost_s / bound if bound else None,
-            "snapshot_busy_s": statistics.median(busy) if busy else None}
+            "train_cpu_s": statistics.fmean(train_cpu) if len(train_cpu) == len(ranks) else None,
+            "beside_cpu_s": job_cpu / n_steps - sum(train_cpu)
+            if job_cpu is not None and len(train_cpu) == len(ranks) else None}
 
 
 def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], ckpt_every: int,
@@ -270,7 +256,7 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
     and for DeadPool's snapshotting variants the copy limit (with this machine's bandwidths)."""
     medians = {name: statistics.median(r["step_s"] for r in runs) for name, runs in rounds.items()}
     cpu = {key: {name: _median_or_none(runs, key) for name, runs in rounds.items()}
-           for key in ("job_cpu_s", "train_cpu_s")}
+           for key in ("job_cpu_s", "train_cpu_s", "beside_cpu_s")}
     rows = []
     for variant in variants:
         runs = rounds[variant.name]
@@ -286,7 +272,8 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
                      "saves_after_window": sum(r["saves_after_window"] for r in runs),
                      "snapshots_in_window": [r["snapshots_in_window"] for r in runs]
                      if variant.system == "deadpool" else None,
-                     "copy_limit": copy_limit(runs, medians[variant.name] - medians[variant.baseline], bandwidths)
+                     "copy_limit": copy_limit(runs, medians[variant.name] - medians[variant.baseline],
+                                              _difference(cpu["beside_cpu_s"], variant), bandwidths)
                      if variant.system == "deadpool" else None,
                      **{f"median_{key}": cpu[key][variant.name] for key in cpu},
                      **{f"{key[:-2]}_ratio": _ratio(cpu[key][variant.name], cpu[key][variant.baseline])
@@ -303,6 +290,11 @@ def _median_or_none(runs: list[dict[str, Any]], key: str) -> float | None:
     """The median over rounds, or None if a round was not measured (a median of the others would be skewed)."""
     values = [r[key] for r in runs if r.get(key) is not None]
     return statistics.median(values) if values and len(values) == len(runs) else None
+
+
+def _difference(medians: dict[str, float | None], variant: Variant) -> float | None:
+    value, baseline = medians[variant.name], medians[variant.baseline]
+    return None if value is None or baseline is None else value - baseline
 
 
 def _ratio(value: float | None, baseline: float | None) -> float | None:

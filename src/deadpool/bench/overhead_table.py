@@ -11,16 +11,17 @@ def table(rows: list[dict[str, Any]]) -> str:
              f"{first['ranks']} ranks; mean step time over steps {first['warmup_steps'] + 1}..{first['steps']}, "
              f"median (min..max) of {first['rounds']} rounds",
              f"{'variant':>28} {'step':>10} {'ratio to off':>14} {'spread':>20} {'blocked':>8} "
-             f"{'job CPU per step':>20} {'training thread CPU':>21} "
+             f"{'job CPU per step':>20} {'training thread CPU':>21} {'CPU beside training':>21} "
              f"{'MB copied/hashed/sent per step':>31} {'copy limit':>11} {'cost / limit':>12} "
-             f"{'engine per snapshot':>19}"]
+             f"{'CPU cost / bytes CPU':>20} {'engine per snapshot':>19}"]
     for row in rows:
         label = row["variant"]
         if row["chosen_every"]:
             label += f" ({','.join(map(str, row['chosen_every']))})"
         spread = f"{row['min_step_s'] * 1e3:.1f}..{row['max_step_s'] * 1e3:.1f} ms"
         lines.append(f"{label:>28} {row['median_step_s'] * 1e3:>7.1f} ms {row['ratio']:>14.3f} {spread:>20} "
-                     f"{row['wait_fraction']:>8.2%} {_cpu(row, 'job_cpu'):>20} {_cpu(row, 'train_cpu'):>21}"
+                     f"{row['wait_fraction']:>8.2%} {_cpu(row, 'job_cpu'):>20} {_cpu(row, 'train_cpu'):>21} "
+                     f"{_cpu(row, 'beside_cpu'):>21}"
                      f"{_limit_columns(row.get('copy_limit'))}")
         if row["snapshot_every"] == "auto" and not all(row["snapshots_in_window"]):
             every = max(row["chosen_every"])
@@ -43,10 +44,17 @@ def _limit_columns(limit: dict[str, Any] | None) -> str:
         return ""
     moved = "/".join(f"{limit[k] / 1e6:.0f}" for k in ("copied_bytes", "hashed_bytes", "sent_bytes"))
     bound = f"{limit['bound_s'] * 1e3:.1f} ms" if limit["bound_s"] is not None else "-"
-    multiple = ("-" if limit["multiple"] is None else "noise" if limit["multiple"] <= 0  # slower when off
-                else f"{limit['multiple']:.1f}x")
     busy = f"{limit['snapshot_busy_s'] * 1e3:.0f} ms" if limit["snapshot_busy_s"] is not None else "-"
-    return f" {moved:>31} {bound:>11} {multiple:>12} {busy:>19}"
+    cpu = limit.get("cpu_multiple")
+    if cpu is not None:
+        cpu_text = f"{limit['cpu_cost_s'] * 1e3:.0f}/{limit['bound_cpu_s'] * 1e3:.0f} ms {_multiple(cpu)}"
+    else:
+        cpu_text = "-"
+    return f" {moved:>31} {bound:>11} {_multiple(limit['multiple']):>12} {cpu_text:>20} {busy:>19}"
+
+
+def _multiple(value: float | None) -> str:
+    return "-" if value is None else "noise" if value <= 0 else f"{value:.1f}x"  # <= 0: cheaper than off
 
 
 def _cpu(row: dict[str, Any], key: str) -> str:

@@ -64,12 +64,15 @@ def test_a_run_reports_job_and_training_thread_cpu_per_measured_step():
     m = measure(events, warmup=2, cpu=cpu)
     assert m["job_cpu_s"] == pytest.approx((4.1 - 2.0) / 2)
     assert m["train_cpu_s"] == pytest.approx(0.5)
-    assert measure(events, warmup=2)["job_cpu_s"] is None  # not sampled
+    assert m["beside_cpu_s"] == pytest.approx((4.1 - 2.0) / 2 - 2 * 0.5)  # both ranks' training threads
+    unsampled = measure(events, warmup=2)
+    assert unsampled["job_cpu_s"] is None and unsampled["beside_cpu_s"] is None
 
 
 def run(step_s: float, job_cpu_s: float | None, train_cpu_s: float | None) -> dict:
+    beside = None if job_cpu_s is None or train_cpu_s is None else job_cpu_s - 2 * train_cpu_s  # 2 ranks
     return {"step_s": step_s, "wait_fraction": 0.0, "chosen_every": None, "saves_after_window": 0,
-            "snapshots_in_window": 1, "job_cpu_s": job_cpu_s, "train_cpu_s": train_cpu_s}
+            "snapshots_in_window": 1, "job_cpu_s": job_cpu_s, "train_cpu_s": train_cpu_s, "beside_cpu_s": beside}
 
 
 def test_rows_give_cpu_medians_and_ratios_to_the_baseline_and_the_table_prints_them():
@@ -80,9 +83,11 @@ def test_rows_give_cpu_medians_and_ratios_to_the_baseline_and_the_table_prints_t
     every = rows["deadpool-every-1"]
     assert every["median_job_cpu_s"] == pytest.approx(1.21) and every["job_cpu_ratio"] == pytest.approx(1.1)
     assert every["train_cpu_ratio"] == pytest.approx(1.05)
+    assert every["median_beside_cpu_s"] == pytest.approx(1.21 - 0.84) and every["beside_cpu_ratio"] == \
+        pytest.approx((1.21 - 0.84) / (1.1 - 0.8))
     text = table([{"size": "3M", "params": 1, "batch_size": 8, "ranks": 4, "steps": 20, "warmup_steps": 10, **r}
                   for r in rows.values()])
-    assert "1210 ms x1.100" in text and "420 ms x1.050" in text
+    assert "1210 ms x1.100" in text and "420 ms x1.050" in text and "370 ms x1.233" in text
     rounds["deadpool-off"][1] = run(1.0, None, None)  # one round not sampled: no median rather than a skewed one
     row = summarize(variants, rounds, ckpt_every=5)[1]
     assert row["median_job_cpu_s"] == pytest.approx(1.21) and row["job_cpu_ratio"] is None

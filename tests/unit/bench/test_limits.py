@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deadpool.bench.cpu import JobCpu
 from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, loopback_rates, measure_bandwidths, traffic
 from deadpool.bench.overhead import VARIANTS, measure, summarize
 from deadpool.bench.overhead_table import table
@@ -49,17 +50,27 @@ def test_sliced_snapshots_count_what_they_hold_and_the_audit_they_hash():
                                                                  hash_name="crc32")
 
 
-def step(rank: int, step: int, t: float) -> dict:
-    return {"event": "step", "rank": rank, "step": step, "t": t, "dur_s": 1.0}
+def step(rank: int, step: int, t: float, **fields) -> dict:
+    return {"event": "step", "rank": rank, "step": step, "t": t, "dur_s": 1.0, **fields}
 
 
-def test_rows_state_bytes_bound_and_the_cost_as_a_multiple_of_it():
-    """Snapshots off: 1.0 s a step; every step: 1.1 s, 1 MB per step per rank sent to one holder."""
-    off = [step(0, s, float(s)) for s in range(1, 11)]
-    every = [step(0, s, 1.1 * s) for s in range(1, 11)] + [snapshot(0, s, 10**6, ["s0"], hash="xxh3_64")
-                                                          for s in range(1, 11)]
+def sampled(points: list[tuple[float, float]]) -> JobCpu:
+    cpu = JobCpu()
+    cpu.samples = points
+    return cpu
+
+
+def test_rows_state_bytes_bound_and_the_costs_as_multiples_of_it():
+    """Snapshots off: 1.0 s a step, 0.3 s of CPU beside the training thread; every step: 1.1 s, 0.305 s beside
+    it, 1 MB per step per rank sent to one holder."""
+    off = [step(0, s, float(s), thread_cpu_s=0.5 * s) for s in range(1, 11)]
+    every = [step(0, s, 1.1 * s, thread_cpu_s=0.5 * s) for s in range(1, 11)] + [
+        snapshot(0, s, 10**6, ["s0"], hash="xxh3_64") for s in range(1, 11)]
     variants = [VARIANTS["deadpool-off"], VARIANTS["deadpool-every-1"]]
-    rounds = {"deadpool-off": [measure(off, warmup=5)], "deadpool-every-1": [measure(every, warmup=5)]}
+    job = {"deadpool-off": sampled([(0.0, 0.0), (20.0, 16.0)]),  # 0.8 CPU-s per second, 1 s a step
+           "deadpool-every-1": sampled([(0.0, 0.0), (22.0, 22 * 0.805 / 1.1)])}  # 0.805 CPU-s per 1.1 s step
+    rounds = {name: [measure(events, warmup=5, cpu=job[name])]
+              for name, events in (("deadpool-off", off), ("deadpool-every-1", every))}
     rows = {r["variant"]: r for r in summarize(variants, rounds, ckpt_every=5, bandwidths=MACHINE)}
     assert rows["deadpool-off"]["copy_limit"] is None
     limit = rows["deadpool-every-1"]["copy_limit"]
@@ -67,9 +78,12 @@ def test_rows_state_bytes_bound_and_the_cost_as_a_multiple_of_it():
     bound = (1e6 / (2 * GB) + 2e6 / (4 * GB) + 1e6 / GB) / 2
     assert limit["bound_s"] == pytest.approx(bound) and limit["cost_s"] == pytest.approx(0.1)
     assert limit["multiple"] == pytest.approx(0.1 / bound)
+    assert limit["cpu_cost_s"] == pytest.approx(0.005) and limit["bound_cpu_s"] == pytest.approx(2 * bound)
+    assert limit["cpu_multiple"] == pytest.approx(0.005 / (2 * bound))  # 2 cores: the bytes' CPU is twice it
     text = table([{"size": "1M", "params": 1, "batch_size": 8, "ranks": 1, "steps": 10, "warmup_steps": 5, **r}
                   for r in rows.values()])
     assert "1/2/1" in text and f"{bound * 1e3:.1f} ms" in text and f"{0.1 / bound:.1f}x" in text
+    assert f"5/{2 * bound * 1e3:.0f} ms {0.005 / (2 * bound):.1f}x" in text
     assert limit["snapshot_busy_s"] == 0.25 and "250 ms" in text
 
 
