@@ -37,6 +37,7 @@ import torch
 from deadpool.runtime.digest import copy_hashed, hash_name, new_hasher
 
 MEASURE_BYTES = 256 * 2**20
+REPEATS = 5  # best of: this machine's rates swing by half between runs a minute apart
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def traffic(events: list[dict[str, Any]], first_step: int, last_step: int) -> Tr
     return Traffic(copied=copied, hashed=copied + sent + audited, sent=sent, hash_name=name)
 
 
-def _best(run: Callable[[], object], nbytes: int, repeats: int = 3) -> float:
+def _best(run: Callable[[], object], nbytes: int, repeats: int = REPEATS) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -130,7 +131,7 @@ def _best(run: Callable[[], object], nbytes: int, repeats: int = 3) -> float:
     return nbytes / best
 
 
-def loopback_rates(nbytes: int, repeats: int = 3) -> tuple[float, float]:
+def loopback_rates(nbytes: int, repeats: int = REPEATS) -> tuple[float, float]:
     """One TCP stream over 127.0.0.1 (what gloo's pair groups use between local processes), received into
     a buffer of all `nbytes` as a holder's arena is: (bytes per second of wall time, bytes per CPU-second
     of the sending and receiving threads together), each the best of `repeats`."""

@@ -59,7 +59,7 @@ from typing import Any
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
 from deadpool.bench.cpu import JobCpu
-from deadpool.bench.limits import Bandwidths, copy_limit, measure_bandwidths, traffic
+from deadpool.bench.limits import REPEATS, Bandwidths, copy_limit, measure_bandwidths, traffic
 from deadpool.bench.overhead_table import table
 from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
@@ -366,7 +366,8 @@ def bench_overhead(args: argparse.Namespace) -> int:
           + ("  -- WARNING: it may not fit" if peak > available else ""), flush=True)
     bandwidths = measure_bandwidths()
     (out / "bandwidths.json").write_text(json.dumps(bandwidths.to_json(), indent=2))
-    print(f"this machine, one core, best of 3 over 256 MB (other load lowers them): {bandwidths.line()}", flush=True)
+    print(f"this machine, one core, best of {REPEATS} over 256 MB (other load lowers them): {bandwidths.line()}",
+          flush=True)
     rows: list[dict[str, Any]] = []
     intervals: dict[str, dict[str, list[float]]] = {}
     started, done = time.monotonic(), 0
