@@ -68,7 +68,10 @@ class Peers:
 
     def poll(self) -> list[Exited]:
         """Processes that published their exit since the last call, and those of this machine whose pid
-        vanished without one (killed): torch would say how only to their parent, torchrun."""
+        vanished without one (killed): torch would say how only to their parent, torchrun.
+
+        Those stopped by SIGTERM come last: when one rank dies, torchrun SIGTERMs the others, and if a tick
+        sees both, the one that died first is the root cause the job's error names first."""
         exited = []
         for name in self.node:
             if name in self.done:
@@ -81,7 +84,7 @@ class Peers:
             else:
                 continue
             exited.append(self.done[name])
-        return exited
+        return sorted(exited, key=lambda x: x.returncode == -signal.SIGTERM)  # stable: else in rank order
 
     def fence(self, name: str) -> None:
         """SIGKILLs a process of this machine by its pid (this one too, if it is the hung rank); one on

@@ -47,6 +47,18 @@ def test_a_local_process_that_vanished_without_a_word_is_a_failure():
     assert (exited.name, exited.returncode, exited.lost_with_node) == ("w2", -signal.SIGKILL, VANISHED)
 
 
+def test_a_rank_stopped_by_sigterm_comes_after_one_that_died_in_the_same_poll():
+    """torchrun SIGTERMs the other ranks once one dies: seen together, the dead one is named first."""
+    found, table = peers()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    table.put(KEYS.exited("w0"), ProcessExit("w0", -signal.SIGTERM, 41))
+    table.put(KEYS.node_pid("w1"), Pid("w1", child.pid))
+    table.put(KEYS.exited("w2"), ProcessExit("w2", 1, 43))
+    assert [(x.name, x.returncode) for x in found.poll()] == [("w1", -signal.SIGKILL), ("w2", 1),
+                                                              ("w0", -signal.SIGTERM)]
+
+
 def test_a_process_on_another_machine_is_judged_by_what_it_publishes_only():
     found, table = peers(nproc=2)  # w2 runs on node 1
     child = subprocess.Popen([sys.executable, "-c", "pass"])
