@@ -39,10 +39,11 @@ the per-round figures).
 
 CPU per step (bench/cpu.py), beside the step time: the whole job's CPU seconds per measured step (this
 process, which runs DeadPool's launcher, and every process it started: workers, spares, torchrun's agent),
-and one training thread's (mean over ranks). Another tenant's load lengthens steps but adds no CPU to
-ours, so where that is the noise the CPU ratio resolves what step times' drift hides (not where the cores'
-speed itself drifts, as on the development VM); a cost that is waiting rather than computing shows in step
-time only.
+one training thread's (mean over ranks), and the rest of the job's beside every training thread (the
+snapshot's own CPU is the rise of that over snapshots off: limits.py). Another tenant's load lengthens
+steps but adds no CPU to ours, so where that is the noise the CPU ratio resolves what step times' drift
+hides (not where the cores' speed itself drifts, as on the development VM); a cost that is waiting rather
+than computing shows in step time only.
 """
 
 from __future__ import annotations
@@ -231,6 +232,7 @@ def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None
     ranks = sorted({rank for rank, _ in measured})
     train_cpu = [(thread_cpu[rank, last_step] - thread_cpu[rank, first_measured - 1]) / n_steps for rank in ranks
                  if (rank, last_step) in thread_cpu and (rank, first_measured - 1) in thread_cpu]
+    every_rank = len(train_cpu) == len(ranks)
     return {"intervals": intervals,
             "step_s": statistics.fmean(intervals),
             "wait_fraction": sum(blocked[key] for key in measured) / sum(intervals),
@@ -245,9 +247,8 @@ def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None
             # saves taken inside the window but written after it: their background cost is partly unmeasured
             "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items()),
             "job_cpu_s": None if job_cpu is None else job_cpu / n_steps,
-            "train_cpu_s": statistics.fmean(train_cpu) if len(train_cpu) == len(ranks) else None,
-            "beside_cpu_s": job_cpu / n_steps - sum(train_cpu)
-            if job_cpu is not None and len(train_cpu) == len(ranks) else None}
+            "train_cpu_s": statistics.fmean(train_cpu) if every_rank else None,
+            "beside_cpu_s": job_cpu / n_steps - sum(train_cpu) if job_cpu is not None and every_rank else None}
 
 
 def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], ckpt_every: int,
