@@ -7,7 +7,9 @@ shuts the group's connections down, which releases a training thread blocked in 
 a synchronous collective of the script's own, where no Python check can run). A second thread publishes
 this rank's heartbeat every BEAT_EVERY_S: a beat counter and the training thread's progress (step, phase,
 whether it waits on peers). The coordinator fences a rank whose beat stops (SIGSTOP) or whose progress
-stops while it does not wait (spinning in the script).
+stops while it does not wait (spinning in the script). A rank still in the generation half the recovery
+timeout after its abort was stuck where neither reaches: the abort's thread then logs every thread's stack
+(`abort_unheeded`), so the job that fails at the recovery deadline says where.
 
 A Watch lives for one generation of a rank; a Beacon lives as long as the process, from deadpool.init() on,
 and beats whatever the process does: holding replicas as an idle spare, or recovering between two
@@ -17,8 +19,10 @@ generations, when no Watch runs. The coordinator fences a process whose beacon s
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -143,6 +147,25 @@ class Watch:
             self._ended(error)
         finally:
             client.close()
+        if self._aborted.is_set():
+            self._report_if_unheeded()
+
+    def _report_if_unheeded(self) -> None:
+        """A rank leaves an aborted generation by closing its watch (member.leave). One still open half the
+        recovery timeout after the abort was stuck where neither the abort's checks nor abandon_group reach,
+        and the job will fail at the recovery deadline: every thread's stack goes to the events and to
+        stderr first, so that the failed run says where."""
+        after_s = self.ctx.config.recovery_timeout_s / 2
+        if self._closed.wait(after_s):
+            return
+        stacks = thread_stacks()
+        phase = None if self.progress is None else self.progress.phase
+        self.ctx.events.emit("abort_unheeded", after_s=after_s, phase=phase, threads=stacks)
+        lines = [f"[deadpool] {self.ctx.proc}: generation {self.inc.generation} was aborted {after_s:g} s ago "
+                 f"and this process has not left it (phase {phase}); its threads:"]
+        for name, stack in stacks.items():
+            lines += [f"  thread {name}:", *(f"    {line}" for line in stack)]
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
     def _run(self) -> None:
         """The heartbeat: a new beat with the progress as it is, every BEAT_EVERY_S (a planned hang publishes
@@ -158,3 +181,14 @@ class Watch:
                     plane.put(beat_key, self.progress.pulse(self.inc.generation, self._beat))
         except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
             self._ended(error)
+
+
+def thread_stacks() -> dict[str, list[str]]:
+    """Every thread's Python stack, innermost call last, by thread name ("name (ident)" when names repeat)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    stacks = {}
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, str(ident))
+        key = name if name not in stacks else f"{name} ({ident})"
+        stacks[key] = [line.rstrip() for entry in traceback.format_stack(frame) for line in entry.splitlines()]
+    return stacks

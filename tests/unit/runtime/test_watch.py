@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -78,3 +79,41 @@ def test_the_heartbeat_goes_out_every_beat_period_however_often_the_progress_mov
     assert beat is not None
     assert 1.0 / BEAT_EVERY_S / 2 <= beat.beat <= 1.0 / BEAT_EVERY_S + 2  # ~10 pulses, where 200 marks were made
     assert progress.step - beat.step <= 2 * BEAT_EVERY_S / 0.005  # at most two periods behind the last mark
+
+
+def _events(path: Path, name: str) -> list[dict]:
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == name] if path.exists() else []
+
+
+def test_a_rank_that_does_not_leave_an_aborted_generation_reports_every_threads_stack(tmp_path, capfd):
+    """The training thread is blocked where the abort cannot reach it: half the recovery timeout after the
+    abort, the watch names the function it is blocked in (events and stderr); a watch closed in time says
+    nothing."""
+    with control_plane(tmp_path) as (server, fields):
+        fields = {**fields, "recovery_timeout_s": 1.0}
+        release = threading.Event()
+
+        def blocked_where_no_abort_reaches() -> None:
+            release.wait(10.0)
+
+        training = threading.Thread(target=blocked_where_no_abort_reaches, name="training")
+        training.start()
+        watch, inc = _watch(tmp_path, fields, [], Progress())
+        ControlPlane(server.table).put(inc.abort_key(), Abort(0, "test"))
+        log = tmp_path / "events.jsonl"
+        deadline = time.monotonic() + 5.0
+        while not _events(log, "abort_unheeded") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        release.set()
+        training.join()
+        watch.close()
+        [event] = _events(log, "abort_unheeded")
+        assert event["after_s"] == 0.5 and event["phase"] == "start"
+        assert any("in blocked_where_no_abort_reaches" in line for line in event["threads"]["training"])
+        assert "blocked_where_no_abort_reaches" in capfd.readouterr().err
+
+        prompt, _ = _watch(tmp_path, fields, [], Progress())  # the abort is written already
+        time.sleep(0.1)
+        prompt.close()  # left in time (as member.leave does)
+        time.sleep(0.6)
+        assert len(_events(log, "abort_unheeded")) == 1
