@@ -80,9 +80,12 @@ class Table:
                 for event in events:
                     event.set()
 
-    def set(self, key: str, value: str | bytes) -> None:
+    def set(self, key: str, value: str | bytes, drop: str | None = None) -> None:
+        """`drop`: a key deleted in the same step (a replica stream's previous announcement: one request, not two)."""
         with self.lock:
             self._put(key, _bytes(value))
+            if drop is not None:
+                self._drop(drop)
 
     def _put(self, key: str, value: bytes) -> None:
         """Stores `value` (the caller holds the lock); wakes the calls waiting for `key` if it is new."""
@@ -178,8 +181,12 @@ class Table:
 
     def delete_key(self, key: str) -> bool:
         with self.lock:
-            self.written.pop(key, None)
-            return self.data.pop(key, None) is not None
+            return self._drop(key)
+
+    def _drop(self, key: str) -> bool:
+        """Deletes `key` (the caller holds the lock); whether it existed."""
+        self.written.pop(key, None)
+        return self.data.pop(key, None) is not None
 
     def num_keys(self) -> int:
         with self.lock:
@@ -260,8 +267,8 @@ class StoreServer:
 
     def _apply(self, op: bytes, f: list[bytes]) -> bytes:
         table = self.table
-        if op == b"S":
-            table.set(f[0].decode(), f[1])
+        if op == b"S":  # key, value[, a key to drop]
+            table.set(f[0].decode(), f[1], f[2].decode() if len(f) > 2 else None)
             return b""
         if op == b"G":
             return _pack(table.get(f[1].decode(), float(f[0])))
@@ -328,8 +335,8 @@ class StoreClient:
             raise StoreTimeout(why) if status == b"T" else ControlPlaneError(why)
         return out
 
-    def set(self, key: str, value: str | bytes) -> None:
-        self._call(b"S", key.encode(), _bytes(value))
+    def set(self, key: str, value: str | bytes, drop: str | None = None) -> None:
+        self._call(b"S", key.encode(), _bytes(value), *(() if drop is None else (drop.encode(),)))
 
     def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
         wait_s = _seconds(timeout, self.timeout_s)

@@ -3,15 +3,19 @@
 One group per (rank, holder, generation); the sender is group rank 0, the holder group rank 1.
 
     sender (worker, rank r)                  holder (spare)
-    Announce at {stream}seq/{n}              ->  wakes (idle waits are on the store: interruptible)
-    header [magic, token, gen, step, meta_len, nbytes, digest]  ->  pick the slot to overwrite
+    Announce at {stream}seq/{n}, deleting    ->  wakes (idle waits are on the store: interruptible)
+      seq/{n-1} in the same request (the holder is past it: a month of snapshots must not pile up)
+    header [magic, token, gen, step, meta_len, nbytes, digest,
+            the held byte ranges (two start, end pairs), replaced]  ->  pick the slot to overwrite
     meta (JSON bytes)                        ->
     data: each byte range the slot holds     ->  received into the slot's own buffer, in place
           (slots.held_ranges: a data-parallel piece and the private state, or all of it)
                                              <-  ack [step, digest, ok]  (recomputed by the holder)
-    deletes {stream}seq/{n}: the holder is past it (a month of snapshots must not pile up in the store)
 
-The digest (runtime/digest.py: xxh3_64, or CRC-32 without xxhash) travels as a signed int64.
+The digest (runtime/digest.py: xxh3_64, or CRC-32 without xxhash) travels as a signed int64. The header
+carries what the holder needs before the data, so it neither parses the metadata (tens of kB of JSON
+for a real model) nor asks the store which step is committed: `replaced` is the step the sender's own
+slot held before (slots.pick_slot; -1: none).
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from deadpool.protocol.keys import Keys
 from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Announce, Handover
 from deadpool.runtime.plane import PlaneStore
-from deadpool.runtime.slots import Slot, checksum, held_ranges, pick_slot
+from deadpool.runtime.slots import Slot, checksum, pick_slot
 
 MAGIC = 0x44504F4F4C  # "DPOOL"
-HEADER = 7
+RANGES = 2  # held byte ranges a snapshot has at most (slices.held: its piece, then its private state)
+HEADER = 8 + 2 * RANGES
 IDLE_SLICE_S = 0.25  # a holder's wait for the next snapshot, per store request, until its generation or job ends
 
 
@@ -79,22 +84,26 @@ class ReplicaSender:
         self.gen = gen
         self.timeout_s = timeout_s
 
-    def send(self, slot: Slot, midway: Callable[[], None] = lambda: None) -> None:
-        """Sends one sealed slot and checks the holder's acknowledgement of (step, checksum)."""
+    def send(self, slot: Slot, midway: Callable[[], None] = lambda: None, replaced: int | None = None) -> None:
+        """Sends one sealed slot and checks the holder's acknowledgement of (step, checksum). `replaced`: the
+        step this slot held before the snapshot (the holder overwrites the same one), if the caller knows it."""
         assert slot.step is not None
-        header = torch.tensor([MAGIC, self.token, self.gen, slot.step, len(slot.meta), slot.nbytes, slot.digest],
-                              dtype=torch.int64)
+        ranges = slot.held()
+        assert len(ranges) <= RANGES, ranges
+        spans = [bound for span in ranges for bound in span] + [0, 0] * (RANGES - len(ranges))
+        header = torch.tensor([MAGIC, self.token, self.gen, slot.step, len(slot.meta), slot.nbytes, slot.digest,
+                               *spans, -1 if replaced is None else replaced], dtype=torch.int64)
         meta = torch.frombuffer(bytearray(slot.meta), dtype=torch.uint8)
         self.sent += 1
-        self.plane.put(Keys.announce(self.prefix, self.sent), Announce(self.gen, slot.step))  # wakes the idle holder
+        self.plane.put(Keys.announce(self.prefix, self.sent), Announce(self.gen, slot.step),  # wakes the idle holder
+                       drop=Keys.announce(self.prefix, self.sent - 1) if self.sent > 1 else None)
         for tag, tensor in enumerate((header, meta)):
             _wait(self.group.send([tensor], 1, tag), self.timeout_s)
         midway()
-        for start, end in slot.held():  # in order on one tag: gloo matches them in order
+        for start, end in ranges:  # in order on one tag: gloo matches them in order
             _wait(self.group.send([slot.data[start:end]], 1, 2), self.timeout_s)
         ack = torch.zeros(3, dtype=torch.int64)
         _wait(self.group.recv([ack], 1, 3), self.timeout_s)
-        self.plane.delete(Keys.announce(self.prefix, self.sent))
         step, digest, ok = ack.tolist()
         if (step, digest, ok) != (slot.step, slot.digest, 1):
             raise ProtocolError(f"holder rejected snapshot {slot.step}: acked step {step}, digest {digest:#x} "
@@ -117,7 +126,8 @@ class ReplicaReceiver:
 
     def receive_one(self, committed: Callable[[], int | None], stopped: Callable[[], bool],
                     endings: Sequence[str] = ()) -> Slot:
-        """Receives the next snapshot into the slot that does not hold the newest committed step. `endings`:
+        """Receives the next snapshot into the slot slots.pick_slot chooses (`committed()` asks the store for
+        the newest committed step, where the header's `replaced` does not decide). `endings`:
         keys written when whoever stops this receiver is about to (the generation's abort, the job's end)."""
         self.received += 1
         announce = Keys.announce(self.prefix, self.received)
@@ -127,19 +137,19 @@ class ReplicaReceiver:
             self.plane.wait([announce], float("inf"), give_up=stopped)
         header = torch.zeros(HEADER, dtype=torch.int64)
         _wait(self.group.recv([header], 0, 0), self.timeout_s)
-        magic, token, gen, step, meta_len, nbytes, digest = header.tolist()
+        magic, token, gen, step, meta_len, nbytes, digest, *spans, replaced = header.tolist()
         if magic != MAGIC or token != self.token or gen != self.gen:
             raise ProtocolError(f"rejected replica header: magic {magic:#x}, token ok={token == self.token}, "
                                 f"generation {gen} (expected {self.gen})")
         meta = torch.empty(meta_len, dtype=torch.uint8)
         _wait(self.group.recv([meta], 0, 1), self.timeout_s)
         meta_bytes = meta.numpy().tobytes()
-        ranges = _held(meta_bytes, nbytes, step)
-        slot = self.writing = pick_slot(self.slots, committed())
+        ranges = _held(spans, nbytes, step)
+        slot = self.writing = pick_slot(self.slots, None if replaced < 0 else replaced, committed)
         data = slot.reserve(nbytes)
         for start, end in ranges:
             _wait(self.group.recv([data[start:end]], 0, 2), self.timeout_s)
-        got = checksum(meta_bytes, slot.data)
+        got = checksum(meta_bytes, slot.data, ranges)
         ok = int(got == digest)
         if ok:
             slot.seal(step, meta_bytes, digest, trusted=self.trusted, ranges=ranges)
@@ -150,14 +160,15 @@ class ReplicaReceiver:
         return slot
 
 
-def _held(meta: bytes, nbytes: int, step: int) -> list[tuple[int, int]]:
-    """The byte ranges an arriving snapshot holds, from its metadata (not trusted: it is checked with the data)."""
-    try:
-        ranges = held_ranges(meta, nbytes)
-    except (ValueError, TypeError, AttributeError, IndexError) as error:
-        raise ProtocolError(f"replica of snapshot {step}: unreadable metadata ({error})") from None
-    if any(not 0 <= a < b <= nbytes for a, b in ranges):
-        raise ProtocolError(f"replica of snapshot {step}: held ranges {ranges} outside its {nbytes} bytes")
+def _held(spans: list[int], nbytes: int, step: int) -> list[tuple[int, int]]:
+    """The byte ranges an arriving snapshot holds, from its header's (start, end) pairs, empty ones left out.
+    Not trusted: they must lie in order inside its `nbytes`, and the checksum, computed over them and the
+    metadata, must then match the sender's (which covered the ranges its metadata names)."""
+    ranges = [(a, b) for a, b in zip(spans[::2], spans[1::2]) if (a, b) != (0, 0)]
+    ends = [0] + [b for _, b in ranges[:-1]]
+    if any(not end <= a < b <= nbytes for (a, b), end in zip(ranges, ends)):
+        raise ProtocolError(f"replica of snapshot {step}: held ranges {ranges} out of order or outside its "
+                            f"{nbytes} bytes")
     return ranges
 
 

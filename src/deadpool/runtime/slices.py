@@ -73,7 +73,9 @@ def spans(layout: Layout, start: int, end: int) -> list[Span]:
 
 def held(lead_nbytes: int, nbytes: int, piece: tuple[int, int] | None) -> list[tuple[int, int]]:
     """The byte ranges of a slot that a snapshot holds, in order: its piece of the lead region (None: the
-    whole of it) and everything after it (private state)."""
+    whole of it) and everything after it (private state), as one range where they touch (one message
+    fewer to send)."""
     start, end = (0, lead_nbytes) if piece is None else piece
-    ranges = [(start, end), (lead_nbytes, nbytes)]
-    return [(a, b) for a, b in ranges if b > a]
+    if end == lead_nbytes:
+        return [(start, nbytes)] if nbytes > start else []
+    return [(a, b) for a, b in [(start, end), (lead_nbytes, nbytes)] if b > a]

@@ -6,6 +6,7 @@ import functools
 import json
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -30,13 +31,13 @@ def _held_of(meta: bytes, nbytes: int) -> tuple[tuple[int, int], ...]:
     return tuple(held_ranges(json.loads(meta), nbytes))
 
 
-def checksum(meta: bytes, data: torch.Tensor) -> int:
-    """The hash (digest.py) of the bytes the snapshot holds (held_ranges), then the metadata: what a
-    snapshot is sealed with, one pass over bytes already in a slot (the hash releases the GIL on large
-    buffers)."""
+def checksum(meta: bytes, data: torch.Tensor, ranges: Sequence[tuple[int, int]] | None = None) -> int:
+    """The hash (digest.py) of the bytes the snapshot holds (`ranges`, else held_ranges of its metadata),
+    then the metadata: what a snapshot is sealed with, one pass over bytes already in a slot (the hash
+    releases the GIL on large buffers)."""
     digest = Digest()
     raw = data.numpy().data
-    for start, end in held_ranges(meta, data.numel()):
+    for start, end in held_ranges(meta, data.numel()) if ranges is None else ranges:
         digest.update(raw[start:end])
     return digest.finish(meta)[1]
 
@@ -161,8 +162,18 @@ def free_slot(slots: list[Slot], committed: int | None, abandoned: list[int]) ->
     return min(free, key=lambda s: -1 if s.step is None else s.step) if free else None
 
 
-def pick_slot(slots: list[Slot], committed: int | None) -> Slot:
-    """The slot a holder receives a replica into: never the one holding the newest committed step (the
-    sender only sends a snapshot once its own rule let it write it, so the other slot is no longer needed)."""
-    free = [s for s in slots if s.step is None or s.step != committed]
-    return min(free, key=lambda s: -1 if s.step is None else s.step)
+def pick_slot(slots: list[Slot], replaced: int | None, committed: Callable[[], int | None]) -> Slot:
+    """The slot a holder receives a replica into, never the one holding the newest committed step: the one
+    holding `replaced`, the step the sender's own slot held before (free_slot let the sender overwrite it
+    only because it can never be the newest committed step again), else an empty one, else (a holder whose
+    slots do not mirror its sender's: placed anew, or a resent snapshot) the one not holding the newest
+    committed step, which `committed()` asks the store for. The sender only sends a snapshot once its own
+    rule let it write it, so the other slot is no longer needed."""
+    for slot in slots:
+        if replaced is not None and slot.step == replaced:
+            return slot
+    for slot in slots:
+        if slot.step is None:
+            return slot
+    newest = committed()
+    return min((s for s in slots if s.step != newest), key=lambda s: s.step or 0)

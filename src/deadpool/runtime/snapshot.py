@@ -275,14 +275,15 @@ class _Run:
         checked = audited(world, self.taken)  # audited by every rank but its owner, whose piece hash stands for it
         other = piece_of(job.layout, checked, world) if sliced and checked != rank else None
         self.taken += 1
-        slot = self._reserve(job, plane)
-        if slot is None:
+        reserved_slot = self._reserve(job, plane)
+        if reserved_slot is None:
             self.skipped = (self.skipped + [job.step])[-8:]
             self._report(plane)
             self.ctx.events.emit("snapshot_skipped", step=job.step, reason="no free slot: the last snapshot is "
                                  "not committed yet (--backlog-policy skip)")
             self.copied.set()
             return
+        slot, replaced = reserved_slot
         reserved = time.monotonic()
         self._report_memory()
         digest, seen = copy_in(job.flat.tensors, job.layout, slot.data, piece, other, stream=self.engine._stream,
@@ -298,7 +299,7 @@ class _Run:
         self.fingerprints[job.step] = fingerprint
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
-            self._replicate(slot, holder, store, senders)
+            self._replicate(slot, holder, store, senders, replaced)
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training
@@ -318,10 +319,11 @@ class _Run:
         self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders), bytes=slot.nbytes,
                              held=sum(b - a for a, b in slot.held()), send_s=send_s)
 
-    def _reserve(self, job: _Job, plane: ControlPlane) -> Slot | None:
-        """A slot for this snapshot: under `wait`, waits until one is free; under `skip`, None if none is."""
+    def _reserve(self, job: _Job, plane: ControlPlane) -> tuple[Slot, int | None] | None:
+        """A slot for this snapshot, and the step it held before (its holders overwrite the same one): under
+        `wait`, waits until one is free; under `skip`, None if none is."""
         skip = self.ctx.config.backlog_policy == "skip"
-        reserved: list[Slot] = []
+        reserved: list[tuple[Slot, int | None]] = []
 
         def done(commit: Commit | None) -> bool:
             if commit is None:  # the coordinator writes a generation's commit before its ranks snapshot
@@ -334,9 +336,9 @@ class _Run:
                 slot = free_slot(self.engine.slots, committed, list(abandoned))
                 if slot is not None:
                     self.writing = slot
+                    reserved.append((slot, slot.step))
                     # snapshot 0 precedes the optimizer's state, so its size is not final: pinned from step 1 on
                     slot.reserve(job.layout.nbytes, pin=self.engine.cuda and job.step > 0)
-                    reserved.append(slot)
             return bool(reserved) or skip
 
         deadline = time.monotonic() + self.ctx.config.collective_timeout_s
@@ -373,7 +375,9 @@ class _Run:
                 senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.inc.generation,
                                                 self.ctx.config.collective_timeout_s)
 
-    def _replicate(self, slot: Slot, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender]) -> None:
+    def _replicate(self, slot: Slot, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender],
+                   replaced: int | None = None) -> None:
+        """Sends `slot` to `holder`; `replaced`: the step the slot held before this snapshot (None: a resend)."""
         self._connect(holder, store, senders)
 
         def midway() -> None:
@@ -381,7 +385,7 @@ class _Run:
 
         with communicating(f"replicating snapshot {slot.step} to {holder}"):
             try:
-                senders[holder].send(slot, midway)
+                senders[holder].send(slot, midway, replaced)
             except ProtocolError as error:  # a corrupted transfer: send once more before giving up
                 self.ctx.events.emit("replica_rejected", step=slot.step, holder=holder, error=str(error))
-                senders[holder].send(slot)
+                senders[holder].send(slot, replaced=replaced)

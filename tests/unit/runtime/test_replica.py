@@ -9,6 +9,7 @@ import torch
 from tests.plane import control_plane
 
 from deadpool.config import JobConfig
+from deadpool.protocol.keys import Keys
 from deadpool.runtime.context import connect
 from deadpool.runtime.pieces import copy_in, piece_of
 from deadpool.runtime.plane import PlaneStore
@@ -83,9 +84,9 @@ def test_every_stream_of_a_process_shares_its_one_gloo_device(tmp_path):
         assert (got.step, got.digest) == (slot.step, slot.digest) and got.intact()
 
 
-def test_a_stream_leaves_no_announcement_behind_once_acknowledged(tmp_path):
+def test_a_stream_keeps_only_its_newest_announcement(tmp_path):
     """Every snapshot is announced under a key of its own; a month of them must not pile up in the store, so
-    the sender deletes each once the holder has acknowledged it (the holder is past it by then)."""
+    the request that announces a snapshot deletes the previous announcement (the holder is past it by then)."""
     slot, _ = sliced_slot(rank=0, world=2)
     with control_plane(tmp_path) as (server, plane):
         config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
@@ -105,5 +106,33 @@ def test_a_stream_leaves_no_announcement_behind_once_acknowledged(tmp_path):
         sender.send(slot)
         holder.join(20)
         assert server.table.num_keys() == keys_after_one  # the store does not grow with the snapshots
-        assert not [key for key in server.table.data if "seq/" in key]
+        assert [key for key in server.table.data if "seq/" in key] == [Keys.announce("pair/", 3)]
     assert steps == [4, 4, 4]
+
+
+def test_the_holder_overwrites_the_slot_whose_step_its_sender_replaced_without_asking_the_store(tmp_path):
+    """The header names the step the sender's slot held before (free_slot let it go: never the newest
+    committed step again), so the holder overwrites its copy of that step and leaves the other alone."""
+    slot, layout = sliced_slot(rank=0, world=2)
+    held = [Slot(), Slot()]
+    for step, old in zip((2, 3), held):
+        old.reserve(layout.nbytes).fill_(step)
+        old.seal(step, b"{}", 0)
+
+    def never_asked() -> int | None:
+        raise AssertionError("the holder asked the store for the committed step")
+
+    with control_plane(tmp_path) as (_, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        received: list[Slot] = []
+
+        def hold() -> None:
+            receiver = ReplicaReceiver(PlaneStore(connect(config)), "pair/", "t", 0, held, timeout_s=20)
+            received.append(receiver.receive_one(never_asked, lambda: False))
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        ReplicaSender(PlaneStore(connect(config)), "pair/", "t", 0, timeout_s=20).send(slot, replaced=2)
+        holder.join(20)
+    assert received == [held[0]] and held[0].step == 4 and held[0].intact()
+    assert held[1].step == 3 and bool((held[1].data == 3).all())

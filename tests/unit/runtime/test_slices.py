@@ -63,9 +63,11 @@ def test_spans_of_one_piece_are_its_bytes() -> None:
     assert spans(layout, offset + 24, offset + 120) == [(0, 2, 10)]
 
 
-def test_held_ranges() -> None:
-    assert held(100, 160, None) == [(0, 100), (100, 160)]
+def test_held_ranges_are_the_piece_then_the_private_state_joined_where_they_touch() -> None:
+    assert held(100, 160, None) == [(0, 160)]
     assert held(100, 160, (40, 80)) == [(40, 80), (100, 160)]
+    assert held(100, 160, (60, 100)) == [(60, 160)]  # the last piece
+    assert held(100, 160, (100, 100)) == [(100, 160)]  # an empty piece: the private state only
     assert held(100, 100, (0, 0)) == []
 
 

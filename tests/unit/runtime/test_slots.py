@@ -213,34 +213,49 @@ def slots(*steps):
     return [Slot(step=s) for s in steps]
 
 
+def newest(step):
+    """pick_slot's question to the store, answered `step`; it must not be asked where `replaced` decides."""
+    return lambda: step
+
+
+def never_asked():
+    raise AssertionError("the store was asked for the committed step")
+
+
+def test_pick_takes_the_slot_holding_the_step_the_sender_replaced_without_asking_the_store():
+    pool = slots(4, 5)
+    assert pick_slot(pool, replaced=4, committed=never_asked) is pool[0]
+    assert pick_slot(slots(None, 5), replaced=5, committed=never_asked).step == 5  # before an empty one
+
+
 def test_pick_prefers_an_empty_slot():
     pool = slots(3, None)
-    assert pick_slot(pool, committed=None) is pool[1]
+    assert pick_slot(pool, None, committed=never_asked) is pool[1]
     pool = slots(None, 3)
-    assert pick_slot(pool, committed=3) is pool[0]
+    assert pick_slot(pool, replaced=1, committed=never_asked) is pool[0]  # 1 is not held here
 
 
 def test_pick_oldest_when_none_is_committed():
     pool = slots(5, 4)
-    assert pick_slot(pool, committed=None) is pool[1]
+    assert pick_slot(pool, None, committed=newest(None)) is pool[1]
 
 
 def test_pick_never_overwrites_the_committed_step():
     pool = slots(4, 5)
-    assert pick_slot(pool, committed=4) is pool[1]  # the newer one, since the older is committed
+    assert pick_slot(pool, None, committed=newest(4)) is pool[1]  # the newer one, since the older is committed
     pool = slots(5, 4)
-    assert pick_slot(pool, committed=5) is pool[1]
+    assert pick_slot(pool, replaced=3, committed=newest(5)) is pool[1]  # a holder placed anew: 3 is not held
 
 
 def test_pick_oldest_among_several():
     pool = slots(7, 2, 9)
-    assert pick_slot(pool, committed=9) is pool[1]
-    assert pick_slot(pool, committed=2) is pool[0]
+    assert pick_slot(pool, None, committed=newest(9)) is pool[1]
+    assert pick_slot(pool, None, committed=newest(2)) is pool[0]
 
 
 def test_pick_committed_step_absent():
     pool = slots(7, 8)
-    assert pick_slot(pool, committed=3) is pool[0]
+    assert pick_slot(pool, None, committed=newest(3)) is pool[0]
 
 
 def test_slots_are_found_in_a_list_by_identity():
