@@ -185,8 +185,10 @@ def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
     if missing:
         if now > s.deadline:
             what = "report their snapshots" if s.phase is Phase.AWAIT_READY else "rejoin"
+            where = ("; a rank that never left the failed generation logged where it was stuck (its "
+                     "abort_unheeded event)" if s.phase is Phase.AWAIT_READY else "")
             return fail(s, f"ranks {missing} did not {what} within {s.config.recovery_timeout_s} s "
-                           f"of generation {gen}", out)
+                           f"of generation {gen}{where}", out)
         return s
     if s.phase is Phase.AWAIT_READY:
         return _choose_target(s, inputs.ready, now, out)
