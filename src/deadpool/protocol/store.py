@@ -81,7 +81,7 @@ class Table:
                     event.set()
 
     def set(self, key: str, value: str | bytes, drop: str | None = None) -> None:
-        """`drop`: a key deleted in the same step (a replica stream's previous announcement: one request, not two)."""
+        """`drop`: a key deleted in the same call (a replica stream's previous announcement: one request, not two)."""
         with self.lock:
             self._put(key, _bytes(value))
             if drop is not None:
