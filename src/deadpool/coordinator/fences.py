@@ -78,15 +78,18 @@ def look_for_hangs(s: State, beats: Mapping[str, Heartbeat], arrived: Mapping[st
 
 def look_for_silence(s: State, alive: Mapping[str, int], arrived: Mapping[str, float], now: float,
                      out: list[Effect]) -> State:
-    """Notes every beacon that moved (in every phase), dated by its arrival; fences the idle spares (steady), and
-    during a recovery any process of the plan, whose beacon has been still for the longer of the silence and
-    hang timeouts. A spare is judged like a rank in its set-up, not by the silence timeout alone: it imports,
-    runs the script's warm-up and starts its receivers while it idles, and may hold the GIL for seconds then
-    (on a loaded machine a spare starting up went 1.5 s without a beat)."""
+    """Notes every sign of life (in every phase), dated by its arrival: a beacon that moved, or a later beacon
+    or heartbeat (`arrived`; a Beacon rests while its process's heartbeat goes out, and a rank that has not
+    yet left an aborted generation still beats); fences the idle spares (steady), and during a recovery any
+    process of the plan, that showed none for the longer of the silence and hang timeouts. A spare is judged
+    like a rank in its set-up, not by the silence timeout alone: it imports, runs the script's warm-up and
+    starts its receivers while it idles, and may hold the GIL for seconds then (on a loaded machine a spare
+    starting up went 1.5 s without a beat)."""
     seen = dict(s.alive)
     for proc, beats in alive.items():
-        if proc not in seen or seen[proc].beats != beats:
-            seen[proc] = Alive(beats, arrived.get(proc, now))
+        sign = arrived.get(proc)
+        if proc not in seen or seen[proc].beats != beats or (sign is not None and sign > seen[proc].since):
+            seen[proc] = Alive(beats, now if sign is None else sign)
     s = replace(s, alive=seen)
     limit = max(s.config.silence_timeout_s, _timeout_s(s))
     if s.phase is Phase.STEADY:

@@ -93,11 +93,12 @@ def hang_verdict(now: float, pulses: Mapping[int, Pulse], timeout_s: float,
 
 @dataclass(frozen=True)
 class Alive:
-    """A process's own heartbeat (runtime/watch.Beacon: a counter its thread adds to every 0.1 s from
-    deadpool.init() until it exits, whatever it does), as the coordinator last saw it, on its clock."""
+    """A process's own sign of life (runtime/watch.Beacon: a counter its thread adds to every 0.1 s from
+    deadpool.init() until it exits, whatever it does, but while the process's heartbeat goes out), as the
+    coordinator last saw it, on its clock."""
 
     beats: int    # 0: not started yet (no count before its first beat)
-    since: float  # when `beats` last changed
+    since: float  # when the last sign arrived: `beats` changed, or a heartbeat came
 
 
 def silent_processes(now: float, alive: Mapping[str, Alive], limit_s: float, during: str) -> Decision[tuple[str, ...]]:

@@ -10,6 +10,7 @@ join the running job (`deadpool agent --spare`); `joined` reports it, and it is 
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -143,7 +144,14 @@ class RemoteNodes:
         """Output prefixes are the agents' own ([n1:w2]); nothing to change here."""
 
     def on_exit(self, wake: Callable[[], None]) -> None:
-        """Nothing to do: the agents report exits to the store, and the report wakes the coordinator itself."""
+        """The agents report their processes' exits to the store, and the report wakes the coordinator itself;
+        an agent this process started wakes it as it exits (its node is lost at once: `_lost`)."""
+        def wake_at_exit(agent: subprocess.Popen) -> None:
+            agent.wait()
+            wake()
+
+        for agent in self.agents.values():
+            threading.Thread(target=wake_at_exit, args=(agent,), name="deadpool-agent-exit", daemon=True).start()
 
     def stop_all(self, grace_s: float) -> None:
         """After the shutdown key: waits for the agents to stop their processes and report, then fences the rest."""

@@ -125,8 +125,9 @@ class Inputs:
     resumed: frozenset[int] = frozenset()                          # awaiting resumed: ranks that rejoined
     started: frozenset[str] = frozenset()                          # joining spares that reached init()
     alive: Mapping[str, int] = field(default_factory=dict)         # planned process -> its beacon's count
-    # When each heartbeat and beacon count arrived, on the coordinator's clock (the store's own table times its
-    # writes): a tick that reads a beat late still dates it right. A process absent: arrived at the tick.
+    # When each heartbeat, and each process's last sign of life (its beacon or heartbeat, whichever came later)
+    # arrived, on the coordinator's clock (the store's own table times its writes): a tick that reads a beat
+    # late still dates it right. A process absent: arrived at the tick.
     beats_t: Mapping[str, float] = field(default_factory=dict)
     alive_t: Mapping[str, float] = field(default_factory=dict)
     persist_reports: Mapping[str, PersistReport] = field(default_factory=dict)  # writers of the order in flight

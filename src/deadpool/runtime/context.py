@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,8 @@ def connect(config: JobConfig, timeout_s: float | None = None) -> StoreClient:
 
 @dataclass
 class Context:
-    """Fixed for the life of the process; what changes with each generation lives in an Incarnation."""
+    """Fixed for the life of the process; what changes with each generation lives in an Incarnation. One
+    field moves: `heartbeat_t`, when this process's Watch last published a heartbeat (watch.Beacon reads it)."""
 
     proc: str
     role: Role
@@ -39,6 +41,7 @@ class Context:
     keys: Keys
     events: EventLog
     faults: FaultInjector
+    heartbeat_t: float = -math.inf  # time.monotonic() of the last heartbeat put (a float: written atomically)
 
     @classmethod
     def from_environment(cls) -> "Context":

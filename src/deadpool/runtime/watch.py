@@ -13,7 +13,9 @@ timeout after its abort was stuck where neither reaches: the abort's thread then
 
 A Watch lives for one generation of a rank; a Beacon lives as long as the process, from deadpool.init() on,
 and beats whatever the process does: holding replicas as an idle spare, or recovering between two
-generations, when no Watch runs. The coordinator fences a process whose beacon stops in those times.
+generations, when no Watch runs. The coordinator fences a process that shows no sign of life in those
+times, and takes either kind of beat as one: so the Beacon rests while the Watch's heartbeat goes out
+(one store request a period instead of two; at 4 ranks, 40 fewer a second).
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ class Progress:
 
 
 class Beacon:
-    """The process's own heartbeat: a thread that adds one to `alive/{proc}` every BEAT_EVERY_S until the
-    process exits (a SIGSTOP stops it with every other thread). It ends quietly when the store goes away."""
+    """The process's own sign of life: a thread that adds one to `alive/{proc}` every BEAT_EVERY_S until the
+    process exits (a SIGSTOP stops it with every other thread), but for the periods in which a Watch
+    published a heartbeat, which the coordinator takes as the same sign. It ends quietly when the store
+    goes away."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -83,7 +87,8 @@ class Beacon:
         try:
             plane = self.ctx.own_plane()  # never queued behind another thread's call
             while True:
-                plane.count(key)
+                if time.monotonic() - self.ctx.heartbeat_t > 2 * BEAT_EVERY_S:  # no heartbeat of late
+                    plane.count(key)
                 time.sleep(BEAT_EVERY_S)
         except Exception:  # the store is gone: the job ended, and this process exits with it
             return
@@ -113,7 +118,7 @@ class Watch:
         self._thread.join(1.0)
         if last_words is not None and self.progress is not None:
             self.progress.mark(self.progress.step, last_words)
-            self.ctx.plane.put(self.ctx.keys.heartbeat(self.ctx.proc), self.progress.pulse(self.inc.generation, -1))
+            self._publish(self.ctx.plane, self.progress.pulse(self.inc.generation, -1))
 
     def beat_now(self) -> None:
         """Publishes this rank's progress at once, from the calling thread: a planned hang (SIGSTOP) is about
@@ -122,8 +127,7 @@ class Watch:
         if self.progress is not None:
             with self._beating:
                 self._beat += 1
-                self.ctx.plane.put(self.ctx.keys.heartbeat(self.ctx.proc),
-                                   self.progress.pulse(self.inc.generation, self._beat))
+                self._publish(self.ctx.plane, self.progress.pulse(self.inc.generation, self._beat))
 
     def _ended(self, error: Exception) -> None:
         """One of the watch's threads lost the store before the watch was closed."""
@@ -173,14 +177,18 @@ class Watch:
         if self.progress is None:
             return
         plane = self.ctx.own_plane()  # never queued behind another thread's call
-        beat_key = self.ctx.keys.heartbeat(self.ctx.proc)
         try:
             while not self._closed.wait(BEAT_EVERY_S):
                 with self._beating:
                     self._beat += 1
-                    plane.put(beat_key, self.progress.pulse(self.inc.generation, self._beat))
+                    self._publish(plane, self.progress.pulse(self.inc.generation, self._beat))
         except Exception as error:  # the store is gone (the coordinator ended the job): nothing to watch
             self._ended(error)
+
+    def _publish(self, plane: ControlPlane, pulse: Heartbeat) -> None:
+        """Puts the heartbeat, and notes when for the Beacon, which rests while heartbeats go out."""
+        plane.put(self.ctx.keys.heartbeat(self.ctx.proc), pulse)
+        self.ctx.heartbeat_t = time.monotonic()
 
 
 def thread_stacks() -> dict[str, list[str]]:

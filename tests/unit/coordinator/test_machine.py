@@ -409,6 +409,23 @@ def test_a_process_silent_during_a_recovery_is_fenced_after_the_hang_timeout_and
     assert effects[1] == Abort(1, plan.reason)
 
 
+def test_a_beacon_at_rest_behind_a_heartbeat_is_not_silence():
+    """A rank's beacon rests while its heartbeat goes out (runtime/watch.Beacon); a rank that has not yet left
+    the aborted generation keeps beating, so during the recovery its heartbeat's arrivals (the shell's
+    alive_t: the later of its beacon's and its heartbeat's) are its sign of life; once they stop too, it is
+    fenced the timeout after the last of them."""
+    s = started(replace(CONFIG, spares=2, silence_timeout_s=2.0, hang_timeout_s=5.0))
+    s, _ = advance(s, Inputs(alive={"w0": 1, "w1": 1, "s0": 1, "s1": 1}), 9.0)
+    s = recovering(s, "w1", 10.0)
+    rest = {"w0": 1, "s1": 1, "s0": 1}  # no beacon count moves from here on
+    s, effects = advance(s, replace(ready(1), alive=rest, alive_t={"w0": 14.0, "s1": 14.5, "s0": 14.5}), 14.5)
+    s, effects = advance(s, replace(ready(1), alive=rest, alive_t={"w0": 14.0, "s1": 18.9, "s0": 18.9}), 18.9)
+    assert not emitted(effects, "hang_detected")  # 8.9 s after w0's last count: its heartbeat arrived at 14.0
+    s, effects = advance(s, replace(ready(1), alive=rest, alive_t={"w0": 14.0, "s1": 19.0, "s0": 19.0}), 19.0)
+    [hang] = emitted(effects, "hang_detected")
+    assert (hang["proc"], hang["last_progress_t"], hang["silent_s"]) == ("w0", 14.0, 5.0)
+
+
 # ---- script errors ------------------------------------------------------------------------
 
 def test_a_script_error_stops_the_job_at_once_without_a_swap():

@@ -1,5 +1,8 @@
 """Tests for deadpool/coordinator/nodes.py over a real store table: spawn orders, exit reports, node loss."""
 
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -71,3 +74,18 @@ def test_fencing_goes_through_the_store(store):
     nodes.spawn("w0", Role.WORKER, 0)
     nodes.fence("w0")
     assert store.has(KEYS.fence("w0"))
+
+
+def test_an_agent_started_here_wakes_the_coordinator_as_it_exits_and_its_node_is_lost(store):
+    """The coordinator sleeps up to QUIET_TICK_S while the job only trains: a node whose agent this process
+    started (a real child, SIGKILLed) must not wait for that tick to be found lost."""
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    nodes = RemoteNodes(store, KEYS, [0], nproc=1, node_timeout_s=5.0, agents={0: agent})
+    nodes.spawn("w0", Role.WORKER, 0)
+    woken = threading.Event()
+    nodes.on_exit(woken.set)
+    assert nodes.poll() == [] and not woken.wait(0.2)
+    agent.kill()
+    assert woken.wait(5.0)
+    [exited] = nodes.poll()
+    assert (exited.name, exited.lost_with_node) == ("w0", "node 0 (its agent exited (-9))")

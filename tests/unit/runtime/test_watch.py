@@ -19,16 +19,20 @@ from deadpool.protocol.records import Abort, Heartbeat
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.plane import PlaneStore
-from deadpool.runtime.watch import ABORT_SLICE_S, BEAT_EVERY_S, Progress, Watch
+from deadpool.runtime.watch import ABORT_SLICE_S, BEAT_EVERY_S, Beacon, Progress, Watch
 
 
-def _watch(tmp_path: Path, fields: dict, aborts: list[float],
-           progress: Progress | None = None) -> tuple[Watch, Incarnation]:
+def _context(tmp_path: Path, fields: dict) -> Context:
     config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **fields)
-    client, keys = connect(config), Keys("t")
-    ctx = Context("w0", Role.WORKER, config, PlaneStore(client), ControlPlane(client), keys,
-                  EventLog(tmp_path / "events.jsonl", role="worker", proc="w0"), None)  # type: ignore[arg-type]
-    inc = Incarnation.of(Plan(generation=0, ranks=("w0",), holders=((),), spares=()), "w0", keys)
+    client = connect(config)
+    return Context("w0", Role.WORKER, config, PlaneStore(client), ControlPlane(client), Keys("t"),
+                   EventLog(tmp_path / "events.jsonl", role="worker", proc="w0"), None)  # type: ignore[arg-type]
+
+
+def _watch(tmp_path: Path, fields: dict, aborts: list[float], progress: Progress | None = None,
+           ctx: Context | None = None) -> tuple[Watch, Incarnation]:
+    ctx = ctx or _context(tmp_path, fields)
+    inc = Incarnation.of(Plan(generation=0, ranks=("w0",), holders=((),), spares=()), "w0", ctx.keys)
     return Watch(ctx, inc, progress, on_abort=lambda: aborts.append(time.monotonic())), inc
 
 
@@ -117,3 +121,27 @@ def test_a_rank_that_does_not_leave_an_aborted_generation_reports_every_threads_
         prompt.close()  # left in time (as member.leave does)
         time.sleep(0.6)
         assert len(_events(log, "abort_unheeded")) == 1
+
+
+def test_the_beacon_rests_while_the_heartbeat_goes_out_and_beats_again_once_it_stops(tmp_path):
+    """One sign of life a period, not two: the coordinator takes a heartbeat's arrival as the beacon's."""
+    with control_plane(tmp_path) as (server, fields):
+        ctx = _context(tmp_path, fields)
+        plane, alive, beat = ControlPlane(server.table), Keys("t").alive("w0"), Keys("t").heartbeat("w0")
+
+        def counted_over(seconds: float) -> int:
+            before = plane.counters([alive])[0]
+            time.sleep(seconds)
+            return plane.counters([alive])[0] - before
+
+        Beacon(ctx)
+        assert counted_over(1.0) >= 1.0 / BEAT_EVERY_S / 2  # no watch: the beacon beats
+        watch, _ = _watch(tmp_path, fields, [], Progress(), ctx)
+        time.sleep(3 * BEAT_EVERY_S)  # the first heartbeats have gone out
+        first = plane.poll(beat, Heartbeat)
+        assert counted_over(1.0) <= 1  # a heartbeat every period: the beacon rests (one may slip in as it starts)
+        last = plane.poll(beat, Heartbeat)
+        assert first is not None and last is not None and last.beat - first.beat >= 1.0 / BEAT_EVERY_S / 2
+        watch.close()
+        time.sleep(3 * BEAT_EVERY_S)
+        assert counted_over(1.0) >= 1.0 / BEAT_EVERY_S / 2  # the watch closed: the beacon beats again
