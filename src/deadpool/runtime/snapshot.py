@@ -247,10 +247,7 @@ class _Run:
             for holder in self.inc.plan.holders[self.inc.my_rank()]:  # connect now, not in the first snapshot's path
                 self._connect(holder, store, senders)
             while not self.stop.is_set():
-                try:
-                    job = self.jobs.get(timeout=0.05)
-                except queue.Empty:
-                    continue
+                job = self.jobs.get()  # stop() puts None if nothing is queued: no need to wake up and look
                 if isinstance(job, _Resend):
                     self._resend(job, store, plane, senders)
                     self.queued(-1)
