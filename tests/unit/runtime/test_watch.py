@@ -139,7 +139,7 @@ def test_the_beacon_rests_while_the_heartbeat_goes_out_and_beats_again_once_it_s
         watch, _ = _watch(tmp_path, fields, [], Progress(), ctx)
         time.sleep(3 * BEAT_EVERY_S)  # the first heartbeats have gone out
         first = plane.poll(beat, Heartbeat)
-        assert counted_over(1.0) <= 1  # a heartbeat every period: the beacon rests (one may slip in as it starts)
+        assert counted_over(1.0) <= 3  # ~10 if it beat: it rests (one may slip in behind a heartbeat late under load)
         last = plane.poll(beat, Heartbeat)
         assert first is not None and last is not None and last.beat - first.beat >= 1.0 / BEAT_EVERY_S / 2
         watch.close()
