@@ -185,8 +185,8 @@ def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
     if missing:
         if now > s.deadline:
             what = "report their snapshots" if s.phase is Phase.AWAIT_READY else "rejoin"
-            where = ("; a rank that never left the failed generation logged where it was stuck (its "
-                     "abort_unheeded event)" if s.phase is Phase.AWAIT_READY else "")
+            where = ("; a rank that did not report logged where it was stuck (its abort_unheeded event)"
+                     if s.phase is Phase.AWAIT_READY else "")
             return fail(s, f"ranks {missing} did not {what} within {s.config.recovery_timeout_s} s "
                            f"of generation {gen}{where}", out)
         return s

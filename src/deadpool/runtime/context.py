@@ -30,8 +30,9 @@ def connect(config: JobConfig, timeout_s: float | None = None) -> StoreClient:
 
 @dataclass
 class Context:
-    """Fixed for the life of the process; what changes with each generation lives in an Incarnation. One
-    field moves: `heartbeat_t`, when this process's Watch last published a heartbeat (watch.Beacon reads it)."""
+    """Fixed for the life of the process; what changes with each generation lives in an Incarnation. Two
+    fields move: `heartbeat_t`, when this process's Watch last published a heartbeat (watch.Beacon reads it),
+    and `ready_gen`, the newest generation it reported ready in (a Watch's stuck report reads it)."""
 
     proc: str
     role: Role
@@ -42,6 +43,7 @@ class Context:
     events: EventLog
     faults: FaultInjector
     heartbeat_t: float = -math.inf  # time.monotonic() of the last heartbeat put (a float: written atomically)
+    ready_gen: int = -1             # recovery.py's REPORT: the newest generation this process reported ready in
 
     @classmethod
     def from_environment(cls) -> "Context":

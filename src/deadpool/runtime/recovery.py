@@ -125,6 +125,7 @@ class Recovery:
             steps = member.holdings()
             ctx.plane.put(inc.ready_key(), Ready(inc.generation, inc.my_rank(), tuple(steps)))
             ctx.events.emit("recovery_ready", holds=steps, plan_reason=inc.plan.reason)
+            ctx.ready_gen = inc.generation
             self.deadline = time.monotonic() + ctx.config.recovery_timeout_s
             self.state = State.AWAIT_TARGET
         elif self.state is State.AWAIT_TARGET:

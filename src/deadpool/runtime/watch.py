@@ -7,8 +7,9 @@ shuts the group's connections down, which releases a training thread blocked in 
 a synchronous collective of the script's own, where no Python check can run). A second thread publishes
 this rank's heartbeat every BEAT_EVERY_S: a beat counter and the training thread's progress (step, phase,
 whether it waits on peers). The coordinator fences a rank whose beat stops (SIGSTOP) or whose progress
-stops while it does not wait (spinning in the script). A rank still in the generation half the recovery
-timeout after its abort was stuck where neither reaches: the abort's thread then logs every thread's stack
+stops while it does not wait (spinning in the script). A rank that half the recovery timeout after its
+abort has not reported ready in the next generation is stuck, in the old generation where neither reaches
+or in leaving it and recovering: a thread started at the abort then logs every thread's stack
 (`abort_unheeded`), so the job that fails at the recovery deadline says where.
 
 A Watch lives for one generation of a rank; a Beacon lives as long as the process, from deadpool.init() on,
@@ -30,7 +31,7 @@ from typing import Callable, Iterator
 
 from deadpool.protocol.kinds import Phase
 from deadpool.protocol.plane import ControlPlane
-from deadpool.protocol.records import Heartbeat
+from deadpool.protocol.records import Heartbeat, Published
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 
@@ -144,6 +145,9 @@ class Watch:
             plane.wait([self.inc.abort_key()], float("inf"), give_up=self._closed.is_set, slice_s=ABORT_SLICE_S)
             if not self._closed.is_set():
                 self._aborted.set()
+                # before on_abort: a rank stuck even there still says where
+                threading.Thread(target=self._report_if_unheeded, name=f"deadpool-stuck-g{self.inc.generation}",
+                                 daemon=True).start()
                 self.on_abort()
         except InterruptedError:  # closed
             pass
@@ -151,25 +155,43 @@ class Watch:
             self._ended(error)
         finally:
             client.close()
-        if self._aborted.is_set():
-            self._report_if_unheeded()
 
     def _report_if_unheeded(self) -> None:
-        """A rank leaves an aborted generation by closing its watch (member.leave). One still open half the
-        recovery timeout after the abort was stuck where neither the abort's checks nor abandon_group reach,
-        and the job will fail at the recovery deadline: every thread's stack goes to the events and to
-        stderr first, so that the failed run says where."""
+        """After an abort, a rank leaves the generation (member.leave) and reports ready in the next one
+        (recovery.py), which the coordinator awaits until the recovery deadline. One that has not, half the
+        recovery timeout after the abort, while a later generation's plan is out (so it is not merely waiting
+        for the coordinator), is stuck: where neither the abort's checks nor abandon_group reach, or in
+        leaving or recovering, and the job will fail at that deadline. Every thread's stack goes to the
+        events and to stderr first, so that the failed run says where."""
         after_s = self.ctx.config.recovery_timeout_s / 2
-        if self._closed.wait(after_s):
+        time.sleep(after_s)
+        if self.ctx.ready_gen > self.inc.generation or not self._later_plan_out():
             return
         stacks = thread_stacks()
         phase = None if self.progress is None else self.progress.phase
-        self.ctx.events.emit("abort_unheeded", after_s=after_s, phase=phase, threads=stacks)
+        left = self._closed.is_set()
+        self.ctx.events.emit("abort_unheeded", after_s=after_s, phase=phase, left=left, threads=stacks)
+        where = "left it but has not reported ready in the next" if left else "has not left it"
         lines = [f"[deadpool] {self.ctx.proc}: generation {self.inc.generation} was aborted {after_s:g} s ago "
-                 f"and this process has not left it (phase {phase}); its threads:"]
+                 f"and this process {where} (phase {phase}); its threads:"]
         for name, stack in stacks.items():
             lines += [f"  thread {name}:", *(f"    {line}" for line in stack)]
         print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def _later_plan_out(self) -> bool:
+        """Whether the coordinator has published a generation after this one (on a client of this thread's
+        own; False once the store is gone: the job is over)."""
+        try:
+            client = connect(self.ctx.config)
+        except Exception:
+            return False
+        try:
+            published = ControlPlane(client).poll(self.ctx.keys.generation(), Published)
+            return published is not None and published.gen > self.inc.generation
+        except Exception:
+            return False
+        finally:
+            client.close()
 
     def _run(self) -> None:
         """The heartbeat: a new beat with the progress as it is, every BEAT_EVERY_S (a planned hang publishes

@@ -15,7 +15,7 @@ from deadpool.protocol.keys import Keys
 from deadpool.protocol.kinds import Role
 from deadpool.protocol.plan import Plan
 from deadpool.protocol.plane import ControlPlane
-from deadpool.protocol.records import Abort, Heartbeat
+from deadpool.protocol.records import Abort, Heartbeat, Published
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.plane import PlaneStore
@@ -91,8 +91,9 @@ def _events(path: Path, name: str) -> list[dict]:
 
 def test_a_rank_that_does_not_leave_an_aborted_generation_reports_every_threads_stack(tmp_path, capfd):
     """The training thread is blocked where the abort cannot reach it: half the recovery timeout after the
-    abort, the watch names the function it is blocked in (events and stderr); a watch closed in time says
-    nothing."""
+    abort, with the next plan out, the watch names the function it is blocked in (events and stderr); a
+    rank that left and reported ready in the next generation says nothing; one that left but got stuck
+    before reporting is named too (`left`)."""
     with control_plane(tmp_path) as (server, fields):
         fields = {**fields, "recovery_timeout_s": 1.0}
         release = threading.Event()
@@ -102,7 +103,9 @@ def test_a_rank_that_does_not_leave_an_aborted_generation_reports_every_threads_
 
         training = threading.Thread(target=blocked_where_no_abort_reaches, name="training")
         training.start()
-        watch, inc = _watch(tmp_path, fields, [], Progress())
+        ctx = _context(tmp_path, fields)
+        watch, inc = _watch(tmp_path, fields, [], Progress(), ctx)
+        ControlPlane(server.table).put(Keys("t").generation(), Published(1))  # the next plan is out
         ControlPlane(server.table).put(inc.abort_key(), Abort(0, "test"))
         log = tmp_path / "events.jsonl"
         deadline = time.monotonic() + 5.0
@@ -112,15 +115,25 @@ def test_a_rank_that_does_not_leave_an_aborted_generation_reports_every_threads_
         training.join()
         watch.close()
         [event] = _events(log, "abort_unheeded")
-        assert event["after_s"] == 0.5 and event["phase"] == "start"
+        assert event["after_s"] == 0.5 and event["phase"] == "start" and event["left"] is False
         assert any("in blocked_where_no_abort_reaches" in line for line in event["threads"]["training"])
         assert "blocked_where_no_abort_reaches" in capfd.readouterr().err
 
-        prompt, _ = _watch(tmp_path, fields, [], Progress())  # the abort is written already
+        prompt, _ = _watch(tmp_path, fields, [], Progress(), ctx)  # the abort is written already
         time.sleep(0.1)
         prompt.close()  # left in time (as member.leave does)
+        ctx.ready_gen = 1  # and reported ready in generation 1 (recovery.py)
         time.sleep(0.6)
         assert len(_events(log, "abort_unheeded")) == 1
+
+        ctx.ready_gen = -1
+        stuck, _ = _watch(tmp_path, fields, [], Progress(), ctx)
+        time.sleep(0.1)
+        stuck.close()  # left, but never reports ready: stuck in leaving or recovering
+        deadline = time.monotonic() + 5.0
+        while len(_events(log, "abort_unheeded")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [e["left"] for e in _events(log, "abort_unheeded")] == [False, True]
 
 
 def test_the_beacon_rests_while_the_heartbeat_goes_out_and_beats_again_once_it_stops(tmp_path):
