@@ -111,16 +111,17 @@ def host_memory(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def snapshot_intervals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`--snapshot-every auto`: per generation, the interval the ranks agreed on and the replay it implies
-    (a failure replays up to `every` steps; seconds at the ranks' median step time)."""
-    agreed: dict[int, list[dict[str, Any]]] = {}
+    """`--snapshot-every auto`: each agreement on the interval (the calibration's end, then every
+    REPRICE_STEPS steps), with its generation and step, and the replay it implies (a failure replays up to
+    `every` steps; seconds at the ranks' median step time)."""
+    agreed: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
         if e["event"] == "snapshot_interval":
-            agreed.setdefault(e["gen"], []).append(e)
+            agreed.setdefault((e["gen"], e["at_step"]), []).append(e)
     out = []
-    for gen, chosen in sorted(agreed.items()):
+    for (gen, step), chosen in sorted(agreed.items()):
         every, step_s = chosen[0]["every"], statistics.median(e["step_s"] for e in chosen)
-        out.append({"generation": gen, "every": every, "step_s": step_s, "replay_steps": every,
+        out.append({"generation": gen, "step": step, "every": every, "step_s": step_s, "replay_steps": every,
                     "replay_s": every * step_s})
     return out
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from deadpool.config import Fault
-from deadpool.runtime.cadence import CALIBRATION_STEPS
+from deadpool.runtime.cadence import CALIBRATION_STEPS, REPRICE_STEPS
 
 from .conftest import SCRIPTS, Job, run_job
 
@@ -180,9 +180,10 @@ def test_corrupted_replica_with_no_intact_fallback_stops_cleanly(tmp_path):
 
 def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path):
     """Killed at the end of the calibration: the spare that takes the rank over has timed too few steps
-    and abstains (or has one pair); the survivors' measurements pick the interval, every rank agrees, and
-    the run ends as the failure-free one."""
-    steps = CALIBRATION_STEPS + 4
+    and abstains; the survivors' measurements pick the interval, every rank agrees, and the run ends as
+    the failure-free one. REPRICE_STEPS later the ranks agree again, the spare now with pairs of its own."""
+    again = CALIBRATION_STEPS + REPRICE_STEPS
+    steps = again + 4
     reference = run_job(tmp_path / "reference", steps=steps)
     job = run_job(tmp_path / "job", steps=steps, snapshot_every="auto",
                   faults=(Fault(kind="kill", rank=3, step=CALIBRATION_STEPS - 1, phase="backward"),))
@@ -191,20 +192,32 @@ def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path):
     restored = recovery["restored_step"]
     assert restored in (CALIBRATION_STEPS - 4, CALIBRATION_STEPS - 2)  # the last calibration snapshots
     decided = job.named("snapshot_interval")
-    assert {e["gen"] for e in decided} == {1} and len(decided) == 4
+    assert {e["gen"] for e in decided} == {1}
+    assert sorted(e["at_step"] for e in decided) == [CALIBRATION_STEPS] * 4 + [again] * 4
+    first = {e["proc"]: e for e in decided if e["at_step"] == CALIBRATION_STEPS}
+    second = {e["proc"]: e for e in decided if e["at_step"] == again}
     # pairs: a step beside a snapshot's work (odd, 7..23) between two timed free steps. The survivors
-    # time all but the first step after the restore (7..19 restored at 22; 7..17 and 23 restored at 20),
-    # the spare the steps after its first (none, or 23)
-    assert {e["proc"]: e["pairs"] for e in decided} == {
-        "w0": 7, "w1": 7, "w2": 7, "s0": 0 if restored == CALIBRATION_STEPS - 2 else 1}
-    chosen = {e["every"] for e in decided}
+    # time all but the first step after the restore (7..19 restored at 22, 7..17 restored at 20), the spare
+    # the steps after its first; and the step after the restore is snapshotted too (its replicas are
+    # compared), so the next one is loaded: no free neighbour for 23 (restored at 20) on any rank
+    pairs = 7 if restored == CALIBRATION_STEPS - 2 else 6
+    assert {proc: e["pairs"] for proc, e in first.items()} == {"w0": pairs, "w1": pairs, "w2": pairs, "s0": 0}
+    chosen = {e["every"] for e in first.values()}
     assert len(chosen) == 1 and min(chosen) >= 1  # every rank agreed on one interval
     every = chosen.pop()
+    # the second agreement: every rank ran steps 25..74 alike, so each has the same new pairs (one per
+    # snapshot, none at an interval of 1), and the survivors keep their calibration's
+    steady = second["s0"]["pairs"]
+    assert (steady > 0) == (every > 1)
+    assert {proc: e["pairs"] for proc, e in second.items()} == {
+        "w0": pairs + steady, "w1": pairs + steady, "w2": pairs + steady, "s0": steady}
+    assert {e["was"] for e in second.values()} == {every} and len({e["every"] for e in second.values()}) == 1
+    later = second["s0"]["every"]
     snapshots = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == 1 and e["step"] > CALIBRATION_STEPS})
-    assert all(step % every == 0 for step in snapshots)
-    [interval] = job.summary["snapshot_intervals"]
-    assert (interval["generation"], interval["every"], interval["replay_steps"]) == (1, every, every)
-    assert interval["replay_s"] > 0
+    assert all(step % (every if step <= again else later) == 0 for step in snapshots)
+    assert [(i["generation"], i["step"], i["every"], i["replay_steps"]) for i in job.summary["snapshot_intervals"]] \
+        == [(1, CALIBRATION_STEPS, every, every), (1, again, later, later)]
+    assert all(i["replay_s"] > 0 for i in job.summary["snapshot_intervals"])
     # host memory: two slots of its snapshot per worker, two per held rank at the spare (docs/benchmarks.md)
     size = {r: max(e["bytes"] for e in job.named("snapshot") if e["rank"] == r and e["gen"] == 0) for r in range(4)}
     memory = job.summary["memory"]

@@ -185,15 +185,17 @@ def test_memory_is_each_processes_peak_of_its_own_slots_and_the_replicas_it_hold
         "w0": {"slots_bytes": 60, "replica_bytes": 0, "total_bytes": 60, "replica_held_bytes": 0, "pinned": False}}
 
 
-def test_auto_reports_its_interval_and_the_replay_it_implies_per_generation(tmp_path):
+def test_auto_reports_each_agreed_interval_and_the_replay_it_implies(tmp_path):
     path = tmp_path / "events.jsonl"
     interval = dict(cost_s=0.25, budget=0.01, replay_steps=4)
-    write(path, [ev("snapshot_interval", 1.0, 0, 0, every=4, step_s=0.5, **interval),
-                 ev("snapshot_interval", 1.0, 0, 1, every=4, step_s=0.75, **interval),
-                 ev("snapshot_interval", 3.0, 2, 0, every=2, step_s=0.25, **interval)])
+    write(path, [ev("snapshot_interval", 1.0, 0, 0, at_step=24, every=4, step_s=0.5, **interval),
+                 ev("snapshot_interval", 1.0, 0, 1, at_step=24, every=4, step_s=0.75, **interval),
+                 ev("snapshot_interval", 3.0, 2, 0, at_step=24, every=2, step_s=0.25, **interval),
+                 ev("snapshot_interval", 4.0, 2, 0, at_step=74, every=3, step_s=0.25, **interval)])
     assert summarize(path, exit_code=0)["snapshot_intervals"] == [
-        {"generation": 0, "every": 4, "step_s": 0.625, "replay_steps": 4, "replay_s": 2.5},
-        {"generation": 2, "every": 2, "step_s": 0.25, "replay_steps": 2, "replay_s": 0.5}]
+        {"generation": 0, "step": 24, "every": 4, "step_s": 0.625, "replay_steps": 4, "replay_s": 2.5},
+        {"generation": 2, "step": 24, "every": 2, "step_s": 0.25, "replay_steps": 2, "replay_s": 0.5},
+        {"generation": 2, "step": 74, "every": 3, "step_s": 0.25, "replay_steps": 3, "replay_s": 0.75}]
 
 
 def test_failed_job(tmp_path):

@@ -222,7 +222,9 @@ def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None
     if not measured:
         raise ValueError(f"no steps after the {warmup} warm-up steps to measure")
     intervals = [ends[rank, step] - ends[rank, step - 1] for rank, step in measured]
-    chosen = [e["every"] for e in events if e["event"] == "snapshot_interval"]
+    # `auto`: the intervals agreed, in order (the calibration's, then one every REPRICE_STEPS steps)
+    chosen = [every for _, every in sorted({(e.get("at_step", 0), e["every"]) for e in events
+                                           if e["event"] == "snapshot_interval"})]
     last_step, last_end = max(step for _, step in ends), max(ends.values())
     first_measured = min(step for _, step in measured)
     snapshots = [e for e in events if e["event"] == "snapshot" and first_measured - 1 <= e["step"] < last_step]
@@ -236,7 +238,8 @@ def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None
     return {"intervals": intervals,
             "step_s": statistics.fmean(intervals),
             "wait_fraction": sum(blocked[key] for key in measured) / sum(intervals),
-            "chosen_every": chosen[0] if chosen else None,
+            "chosen_every": chosen[-1] if chosen else None,  # the one the run ended with
+            "agreed_every": chosen,
             # DeadPool: snapshots taken in the window (a step's snapshot is taken at its end, so step
             # first_measured - 1's falls in the window); auto's interval may be longer than the window
             "snapshots_in_window": len({e["step"] for e in snapshots}),
@@ -270,6 +273,8 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
                      "min_step_s": min(per_round), "max_step_s": max(per_round),
                      "wait_fraction": statistics.median(r["wait_fraction"] for r in runs),
                      "chosen_every": [r["chosen_every"] for r in runs] if variant.snapshot_every == "auto" else None,
+                     "agreed_every": [r.get("agreed_every") or [r["chosen_every"]] for r in runs]
+                     if variant.snapshot_every == "auto" else None,
                      "saves_after_window": sum(r["saves_after_window"] for r in runs),
                      "snapshots_in_window": [r["snapshots_in_window"] for r in runs]
                      if variant.system == "deadpool" else None,

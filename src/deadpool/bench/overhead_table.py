@@ -16,8 +16,9 @@ def table(rows: list[dict[str, Any]]) -> str:
              f"{'CPU cost / bytes CPU':>20} {'engine per snapshot':>19}"]
     for row in rows:
         label = row["variant"]
-        if row["chosen_every"]:
-            label += f" ({','.join(map(str, row['chosen_every']))})"
+        if row["chosen_every"]:  # per run, the intervals `auto` agreed on in turn
+            runs = row.get("agreed_every") or [[every] for every in row["chosen_every"]]
+            label += f" ({','.join('>'.join(map(str, agreed)) for agreed in runs)})"
         spread = f"{row['min_step_s'] * 1e3:.1f}..{row['max_step_s'] * 1e3:.1f} ms"
         lines.append(f"{label:>28} {row['median_step_s'] * 1e3:>7.1f} ms {row['ratio']:>14.3f} {spread:>20} "
                      f"{row['wait_fraction']:>8.2%} {_cpu(row, 'job_cpu'):>20} {_cpu(row, 'train_cpu'):>21} "

@@ -50,17 +50,19 @@ def agree_to_stop(member: Member, requested: bool, steps: int | None) -> bool:
     return bool(flags[0].item())
 
 
-def agree_on_interval(member: Member, durations: dict[int, float]) -> int:
-    """`auto`: the densest interval whose measured cost stays within the budget (cadence.py).
+def agree_on_interval(member: Member, step: int, durations: dict[int, float], snapshotted: set[int],
+                      current: int | None) -> int:
+    """`auto`: the densest interval whose measured cost stays within the budget (cadence.py); `current` is
+    the interval agreed before (None at the calibration's end).
 
     Every rank decides at the same step (a collective) from the mean of the ranks' measurements (the
     ranks run in step, so each measures the same cost with its own noise; the max of them would pick
-    too sparse an interval). A spare that took a rank over during the calibration has measured no pair
-    and abstains; only if no rank measured one does the engine's busy time price a snapshot (an upper
-    bound: steps cannot lose more than the time the work runs beside them)."""
+    too sparse an interval). A spare that took a rank over recently has measured no pair and abstains. If
+    no rank measured one, the interval stays; at the calibration's end the engine's busy time prices a
+    snapshot instead (an upper bound: steps cannot lose more than the time the work runs beside them)."""
     config, engine = member.ctx.config, member.engine
     busy = statistics.median(engine.costs) if engine.costs else 0.0
-    measured = price(durations)
+    measured = price(durations, snapshotted)
     fallback = Price(cost_s=busy, step_s=statistics.median(member.progress.step_times), pairs=0)
     # sums over the ranks, in float64: an all-reduce leaves the same bits on every rank, so every rank
     # computes the same interval from them
@@ -71,20 +73,21 @@ def agree_on_interval(member: Member, durations: dict[int, float]) -> int:
     cost_s, step_s, n, busy_s, busy_step_s, ranks = sums.tolist()
     used = (Price(cost_s=cost_s / n, step_s=step_s / n, pairs=measured.pairs if measured else 0) if n else
             Price(cost_s=busy_s / ranks, step_s=busy_step_s / ranks, pairs=0))
-    every = used.interval(config.snapshot_budget)
+    every = current if current is not None and not n else used.interval(config.snapshot_budget)
     # what the interval costs a recovery: a failure just before the next snapshot is committed replays
     # up to `every` steps (every / 2 on average)
-    member.ctx.events.emit("snapshot_interval", every=every, cost_s=used.cost_s, step_s=used.step_s,
-                           my_cost_s=measured.cost_s if measured else None, busy_s=busy,
+    member.ctx.events.emit("snapshot_interval", at_step=step, every=every, was=current, cost_s=used.cost_s,
+                           step_s=used.step_s, my_cost_s=measured.cost_s if measured else None, busy_s=busy,
                            pairs=measured.pairs if measured else 0, ranks_measured=int(n),
                            budget=config.snapshot_budget, replay_steps=every, replay_s=every * used.step_s)
-    if member.rank == 0:
-        how = (f"steps beside a snapshot's work against those without, {int(n)} ranks' mean" if n
+    if member.rank == 0 and every != current:
+        how = (f"steps beside a snapshot's work against those without, {int(n)} ranks' mean of "
+               f"{measured.pairs if measured else 0} pairs here" if n
                else "its work's busy time: no rank measured a pair")
-        print(f"[deadpool] snapshot-every auto: a snapshot costs {used.cost_s * 1e3:.0f} ms of step time ({how}; "
-              f"the work itself takes {busy * 1e3:.0f} ms), a step {used.step_s * 1e3:.0f} ms; snapshotting every "
-              f"{every} steps keeps it within {config.snapshot_budget:.1%}; a failure replays up to {every} steps "
-              f"({every * used.step_s:.1f} s)", flush=True)
+        print(f"[deadpool] snapshot-every auto at step {step}: a snapshot costs {used.cost_s * 1e3:.0f} ms of step "
+              f"time ({how}; the work itself takes {busy * 1e3:.0f} ms), a step {used.step_s * 1e3:.0f} ms; "
+              f"snapshotting every {every} steps keeps it within {config.snapshot_budget:.1%}; a failure replays "
+              f"up to {every} steps ({every * used.step_s:.1f} s)", flush=True)
     return every
 
 

@@ -25,7 +25,7 @@ from deadpool.events import EventLog
 from deadpool.protocol.kinds import Phase
 from deadpool.protocol.records import Commit
 from deadpool.runtime.agree import agree_on_interval, agree_to_stop
-from deadpool.runtime.cadence import CALIBRATION_STEPS, snapshots_after
+from deadpool.runtime.cadence import PRICED_STEPS, agrees_after, snapshots_after
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
@@ -42,13 +42,15 @@ class StepLoop:
     def __init__(self, member: Member) -> None:
         self.member = member
         every = member.ctx.config.snapshot_every
-        self.calibrating = every == "auto"
+        self.auto = self.calibrating = every == "auto"
         self.every = 1 if self.calibrating else int(every)
+        self.widest = self.every  # the widest interval of this run: how far back a replay's inputs are kept
         self.steps: int | None = None  # session.run(steps=...): the ranks must agree on it
         self.stop_requested = False  # session.stop() was called in this step
         self.stopped = False         # every rank agreed to end the run after this step
         self.check_next = False      # after a recovery, the next step is snapshotted (and its replicas compared)
-        self.step_ends: dict[int, float] = {}  # `auto` calibrating: when each step ended (cadence.py)
+        self.step_ends: dict[int, float] = {}  # `auto`: when each recent step ended (cadence.py)
+        self.snapshotted: set[int] = set()     # `auto`: the recent steps after which a snapshot was taken
         self.logged_loss: Any = None  # the last loss= the script gave session.log in this step
         self.inputs = InputFingerprints()  # what the model was fed, step by step: a replay must be fed the same
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
@@ -66,9 +68,10 @@ class StepLoop:
         """Loaded only by a recovery's restore: the run goes on from the restored step, and its next step
         is snapshotted whatever the interval, so that the replicas are compared right after a recovery."""
         self.member.step, self.every, self.calibrating = state["step"], state["every"], state["calibrating"]
-        # `auto` calibrating: the steps from here are run (and timed) again, and the first one's predecessor
-        # ended before the failure
+        # `auto`: the steps from here are run (and timed) again, and the first one's predecessor ended before
+        # the failure
         self.step_ends = {s: t for s, t in self.step_ends.items() if s < self.member.step}
+        self.snapshotted = {s for s in self.snapshotted if s <= self.member.step}
         self.stop_requested = self.stopped = False
         self.check_next = True
 
@@ -151,7 +154,7 @@ class StepLoop:
         self.logged_loss = None
         self.inputs.drop_partial()
         loss = train_step(step)
-        self.inputs.end_step(step, replay, member.rank, self.every)
+        self.inputs.end_step(step, replay, member.rank, self.widest)
         if loss is None:  # the step function need not return its loss: session.log(loss=...) tells it too
             loss = self.logged_loss
         member.step = step
@@ -162,18 +165,26 @@ class StepLoop:
         # thread_cpu_s: the training thread's CPU so far (what a benchmark compares across variants)
         member.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=member.engine.wait_s - waited,
                                replay=replay, thread_cpu_s=time.thread_time())
-        if self.calibrating:  # a step's whole time, snapshot capture and agreements included, as users see it
+        if self.auto:  # a step's whole time, snapshot capture and agreements included, as users see it
             self.step_ends[step] = time.monotonic()
         if self.every and (self._snapshots_after(step) or self.check_next):
             member.engine.capture(step, member.tree)
+            self.snapshotted.add(step)
             self.check_next = False
-        if self.calibrating and step >= CALIBRATION_STEPS:
-            ends = self.step_ends
-            durations = {s: ends[s] - ends[s - 1] for s in ends if s - 1 in ends}
-            self.every, self.calibrating = agree_on_interval(member, durations), False
+        if self.auto and agrees_after(step):
+            self._agree_on_interval(step)
         self.stopped = agree_to_stop(member, self.stop_requested, self.steps)
         if self.stopped and member.rank == 0:
             member.ctx.events.emit("stopped", step=step, reason="session.stop()")
+
+    def _agree_on_interval(self, step: int) -> None:
+        """`auto`: the interval from the pairs of the recent steps (the first agreement ends the calibration)."""
+        ends = self.step_ends = {s: t for s, t in self.step_ends.items() if s >= step - PRICED_STEPS}
+        self.snapshotted = {s for s in self.snapshotted if s >= step - PRICED_STEPS}
+        durations = {s: ends[s] - ends[s - 1] for s in ends if s - 1 in ends}
+        current = None if self.calibrating else self.every
+        self.every = agree_on_interval(self.member, step, durations, self.snapshotted, current)
+        self.calibrating, self.widest = False, max(self.widest, self.every)
 
     def _finish(self) -> None:
         member = self.member

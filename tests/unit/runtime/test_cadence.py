@@ -2,7 +2,10 @@
 
 import pytest
 
-from deadpool.runtime.cadence import CALIBRATION_STEPS, WARM_STEPS, Price, price, snapshots_after
+from deadpool.runtime import cadence
+from deadpool.runtime.cadence import CALIBRATION_STEPS, WARM_STEPS, Price, agrees_after, price, snapshots_after
+
+CALIBRATED = {s for s in range(CALIBRATION_STEPS + 1) if snapshots_after(s)}  # step 0: the job's first commit
 
 
 def calibration(free, loaded_extra, drift=0.0):
@@ -16,9 +19,15 @@ def test_warm_up_snapshots_every_step_then_every_other():
     assert snapshots_after(CALIBRATION_STEPS)  # the agreed interval starts from a snapshot
 
 
+def test_the_ranks_agree_at_the_calibrations_end_then_every_reprice_steps():
+    every = cadence.REPRICE_STEPS
+    agreed = [s for s in range(1, CALIBRATION_STEPS + 2 * every + 1) if agrees_after(s)]
+    assert agreed == [CALIBRATION_STEPS, CALIBRATION_STEPS + every, CALIBRATION_STEPS + 2 * every]
+
+
 def test_cost_is_the_loaded_steps_excess_and_a_steady_drift_cancels():
-    measured = price(calibration(free=0.5, loaded_extra=0.02, drift=0.003))
-    assert measured is not None and measured.pairs == 9
+    measured = price(calibration(free=0.5, loaded_extra=0.02, drift=0.003), CALIBRATED)
+    assert measured is not None and measured.pairs == 9  # loaded steps 7, 9, .., 23 (5 follows a loaded step)
     assert measured.cost_s == pytest.approx(0.02)
     assert measured.step_s == pytest.approx(0.5 + 0.003 * 15)  # the median free step: 6, 8, .., 24
     assert measured.interval(budget=0.01) == 4  # 20 ms within 1 % of 545 ms: every 3.67 steps
@@ -30,15 +39,39 @@ def test_an_outlier_moves_the_median_not_the_price():
     durations = calibration(free=0.5, loaded_extra=0.015)
     durations[13] += 2.0  # a pause (GC, another job) in one loaded step
     durations[16] += 2.0  # and in one free step
-    measured = price(durations)
+    measured = price(durations, CALIBRATED)
     assert measured is not None and measured.cost_s == pytest.approx(0.015)
     assert measured.step_s == pytest.approx(0.5)
 
 
 def test_noise_below_zero_prices_nothing_and_no_pair_gives_none():
-    measured = price(calibration(free=0.5, loaded_extra=-0.01))
+    measured = price(calibration(free=0.5, loaded_extra=-0.01), CALIBRATED)
     assert measured is not None and measured.cost_s == 0.0 and measured.interval(0.01) == 1
     # a spare that took a rank over at step 20 timed steps 22..24 only: 23's neighbours are there
-    assert price({s: 0.5 for s in (22, 23, 24)}).pairs == 1
-    assert price({s: 0.5 for s in (23, 24)}) is None
-    assert price({}) is None
+    assert price({s: 0.5 for s in (22, 23, 24)}, CALIBRATED).pairs == 1
+    assert price({s: 0.5 for s in (23, 24)}, CALIBRATED) is None
+    assert price({}, CALIBRATED) is None
+
+
+def test_a_recoverys_extra_snapshot_loads_the_step_after_it():
+    """After a restore at 20 the next step is snapshotted whatever the interval (its replicas are compared):
+    step 22 runs beside that snapshot, so it is no free neighbour for 23."""
+    assert price({s: 0.5 for s in (22, 23, 24)}, CALIBRATED | {21}) is None
+
+
+def test_after_the_calibration_every_snapshot_prices_the_step_after_it():
+    """Every 4 steps from 24: 25 is loaded between free 24 and 26 (and so are 29, 33, ..); with the
+    calibration's pairs, the cost is the median of all of them."""
+    snapshotted = CALIBRATED | {s for s in range(CALIBRATION_STEPS, 101) if s % 4 == 0}
+    durations = calibration(free=0.5, loaded_extra=0.039)  # the calibration saw twice today's cost
+    assert price(durations, CALIBRATED).interval(budget=0.01) == 8
+    durations |= {s: 0.5 + (0.018 if s % 4 == 1 else 0.0) for s in range(CALIBRATION_STEPS + 1, 101)}
+    measured = price(durations, snapshotted)
+    assert measured is not None and measured.pairs == 9 + 19  # 25, 29, .., 97 (101 has no later neighbour)
+    assert measured.cost_s == pytest.approx(0.018)
+    assert measured.interval(budget=0.01) == 4
+
+
+def test_every_step_leaves_no_free_step_to_price():
+    snapshotted = set(range(CALIBRATION_STEPS, 101))
+    assert price({s: 0.5 for s in range(CALIBRATION_STEPS + 2, 101)}, snapshotted) is None
