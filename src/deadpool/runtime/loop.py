@@ -169,7 +169,8 @@ class StepLoop:
             self.step_ends[step] = time.monotonic()
         if self.every and (self._snapshots_after(step) or self.check_next):
             member.engine.capture(step, member.tree)
-            self.snapshotted.add(step)
+            if self.auto:
+                self.snapshotted.add(step)
             self.check_next = False
         if self.auto and agrees_after(step):
             self._agree_on_interval(step)
