@@ -61,7 +61,7 @@ from typing import Any
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
 from deadpool.bench.cpu import JobCpu
 from deadpool.bench.limits import REPEATS, Bandwidths, copy_limit, measure_bandwidths, traffic
-from deadpool.bench.overhead_table import table
+from deadpool.bench.overhead_table import paired, table
 from deadpool.bench.plots import plot_overhead
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
@@ -270,6 +270,7 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
                      "ckpt_every": ckpt_every if variant.save else None,
                      "median_step_s": medians[variant.name],
                      "ratio": medians[variant.name] / medians[variant.baseline], "baseline": variant.baseline,
+                     "paired_ratios": paired(runs, rounds[variant.baseline]),
                      "min_step_s": min(per_round), "max_step_s": max(per_round),
                      "wait_fraction": statistics.median(r["wait_fraction"] for r in runs),
                      "chosen_every": [r["chosen_every"] for r in runs] if variant.snapshot_every == "auto" else None,
@@ -285,6 +286,10 @@ def summarize(variants: list[Variant], rounds: dict[str, list[dict[str, Any]]], 
                      **{f"{key[:-2]}_ratio": _ratio(cpu[key][variant.name], cpu[key][variant.baseline])
                         for key in cpu},
                      "rounds": len(runs)})
+    if "deadpool-off" in rounds and "dcp-off" in rounds:  # DeadPool's data parallelism against torch DDP's
+        row = next(r for r in rows if r["variant"] == "deadpool-off")
+        row["against_ddp"] = {"ratio": medians["deadpool-off"] / medians["dcp-off"],
+                              "paired_ratios": paired(rounds["deadpool-off"], rounds["dcp-off"])}
     return rows
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any
 
 
@@ -34,10 +36,31 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{'':>28} note: auto snapshots every {every} steps, and the {window} measured steps "
                          f"held {min(row['snapshots_in_window'])}: this figure leaves its cost out"
                          f"{estimate}; measure with --steps above {row['warmup_steps'] + every}")
+        if len(row["paired_ratios"]) > 1 and row["variant"] != row["baseline"]:
+            lines.append(f"{'':>28} per round, against {row['baseline']} in the same round: "
+                         f"{_ratios(row['paired_ratios'])}")
+        if "against_ddp" in row:
+            ddp = row["against_ddp"]
+            lines.append(f"{'':>28} against torch DDP (dcp-off): x{ddp['ratio']:.3f} (medians); per round "
+                         f"{_ratios(ddp['paired_ratios'])}")
         if row["saves_after_window"]:
             lines.append(f"{'':>28} note: {row['saves_after_window']} async saves still writing after the last "
                          f"step: their background cost is partly unmeasured; use more --steps")
     return "\n".join(lines)
+
+
+def paired(runs: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> list[float]:
+    """Each round's step time over its baseline's in the same round. The rounds run one after the other, so
+    a machine that drifts (here 15-20 % over a bench) moves both runs of a round alike: their ratio cancels
+    what the ratio of the medians, taken over different rounds, does not."""
+    return [run["step_s"] / baseline["step_s"] for run, baseline in zip(runs, baselines)]
+
+
+def _ratios(ratios: list[float]) -> str:
+    """"x0.930, x1.110, .. (median x1.018, geometric mean x1.021)"."""
+    mean = math.exp(statistics.fmean(math.log(r) for r in ratios))
+    return (", ".join(f"x{r:.3f}" for r in ratios)
+            + f" (median x{statistics.median(ratios):.3f}, geometric mean x{mean:.3f})")
 
 
 def _limit_columns(limit: dict[str, Any] | None) -> str:

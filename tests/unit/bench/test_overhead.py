@@ -139,6 +139,24 @@ def test_summary_ratios_against_each_systems_own_baseline_with_spread():
     assert (rows["deadpool-every-1"]["snapshot_every"], rows["deadpool-every-1"]["save"]) == (1, None)
 
 
+def test_rounds_are_also_compared_pair_by_pair_and_deadpools_ddp_against_torchs():
+    """A machine that drifts between rounds moves both runs of a round alike: each round's ratio cancels it,
+    where the ratio of medians mixes rounds."""
+    variants = [VARIANTS[n] for n in ("deadpool-off", "deadpool-every-1", "dcp-off")]
+    rounds = {"deadpool-off": [run(1.0), run(2.0), run(1.5)],
+              "deadpool-every-1": [run(1.1), run(2.2), run(1.5)],
+              "dcp-off": [run(1.25), run(1.6), run(1.5)]}
+    rows = {r["variant"]: r for r in summarize(variants, rounds, ckpt_every=5)}
+    assert rows["deadpool-every-1"]["paired_ratios"] == pytest.approx([1.1, 1.1, 1.0])
+    assert rows["deadpool-off"]["against_ddp"] == {"ratio": 1.0, "paired_ratios": pytest.approx([0.8, 1.25, 1.0])}
+    assert "against_ddp" not in rows["dcp-off"]
+    text = table([{"size": "1M", "params": 1, "batch_size": 8, "ranks": 2, "steps": 15, "warmup_steps": 10, **row}
+                  for row in rows.values()])
+    assert "per round, against deadpool-off in the same round: x1.100, x1.100, x1.000 (median x1.100" in text
+    assert "against torch DDP (dcp-off): x1.000 (medians); per round x0.800, x1.250, x1.000 (median x1.000, " \
+           "geometric mean x1.000)" in text
+
+
 def test_presets_and_their_real_parameter_counts():
     assert [s.name for s in parse_sizes("50M, 1M")] == ["50M", "1M"]
     counts = parameter_counts(list(SIZES.values()))
