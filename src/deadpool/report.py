@@ -117,7 +117,7 @@ def snapshot_intervals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     agreed: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
         if e["event"] == "snapshot_interval":
-            agreed.setdefault((e["gen"], e["at_step"]), []).append(e)
+            agreed.setdefault((e["gen"], e.get("at_step", 0)), []).append(e)  # 0: written before re-pricing
     out = []
     for (gen, step), chosen in sorted(agreed.items()):
         every, step_s = chosen[0]["every"], statistics.median(e["step_s"] for e in chosen)
