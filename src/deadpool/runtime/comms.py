@@ -57,16 +57,26 @@ def collective(issue: Callable[[], Any], interrupted: Callable[[], bool], timeou
 
 
 def finish(work: Any, interrupted: Callable[[], bool], timeout_s: float) -> None:
-    """Waits for a collective until it has *completed*, and gives it up as soon as `interrupted()` says the
-    generation is over (or after `timeout_s`, the backstop).
+    """Waits for a collective of the default group until it has *completed*, and gives it up as soon as the
+    generation is over (the coordinator's abort) or after `timeout_s`, the backstop.
 
     A peer that died is noticed by gloo at once only by the ranks connected to it in the current
     algorithm step; the others would wait for the full collective timeout. The coordinator's abort
-    releases them within a poll interval. NCCL completes a work's future when the kernel is *enqueued*,
-    so the future alone says nothing: the work itself is polled until it reports completion (a finished
-    kernel, or an error), and the first host sync after this never blocks on a dead peer. The abandoned
-    operation is never touched again (the watch aborts the communicator: abandon_group).
+    releases them:
+
+    - gloo: the wait blocks in the work itself (in C++, the GIL released). The abort shuts the group's
+      connections (abandon_group, run by the watch thread), which fails this wait at once. Waking on a
+      Python callback of the work's future and an event instead cost ~1 ms more per collective, with a
+      tail of several ms, and a step waits for every gradient bucket and the stop agreement
+      (docs/benchmarks.md).
+    - NCCL completes a work's future when the kernel is *enqueued*, so the future alone says nothing: the
+      work itself is polled until it reports completion (a finished kernel, or an error), and gives up when
+      `interrupted()`; the first host sync after this never blocks on a dead peer. The abandoned operation
+      is never touched again (the watch aborts the communicator: abandon_group).
     """
+    if _blocking_wait:
+        work.wait(timedelta(seconds=timeout_s))
+        return
     enqueued = threading.Event()
     work.get_future().add_done_callback(lambda _: enqueued.set())
     deadline, pause = time.monotonic() + timeout_s, 0.0002
@@ -114,6 +124,7 @@ def abandon_group(device: torch.device) -> None:
 
 
 _group_sockets: set[int] = set()  # inodes of the default group's TCP connections (gloo), found at join
+_blocking_wait = False  # finish blocks in the work's own wait: the default group is gloo's (set at join)
 
 
 def _socket_fds() -> dict[int, int]:
@@ -181,6 +192,7 @@ def join_group(store: PlaneStore | dist.TCPStore, prefix: str, backend: str, ran
                timeout_s: float) -> None:
     """Makes this process rank `rank` of a fresh default group; the prefix keeps generations apart. The
     TCP connections the group opens (any new one not to the store) are noted for abandon_group."""
+    global _blocking_wait
     before = set(_socket_fds())
     # torch names the default group by a process-wide counter, which keys its rendezvous in the store and is reset
     # only when a group is destroyed: an attempt that failed (a peer died before joining) must not shift it, or
@@ -193,6 +205,7 @@ def join_group(store: PlaneStore | dist.TCPStore, prefix: str, backend: str, ran
     except BaseException:
         world.group_count = count
         raise
+    _blocking_wait = backend == "gloo"
     if backend == "gloo":
         ports = _tcp_ports()
         _group_sockets.clear()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool.errors import ConfigError, PeerFailure
+from deadpool.runtime import comms
 from deadpool.runtime.comms import (
     CollectiveAborted,
     DataParallel,
@@ -72,7 +73,13 @@ class EnqueuedWork:
         return True
 
 
-def test_finish_waits_for_completion_not_for_the_future():
+@pytest.fixture
+def nccl_waits(monkeypatch):
+    """finish as it waits when the default group is NCCL's (join_group sets it per backend)."""
+    monkeypatch.setattr(comms, "_blocking_wait", False)
+
+
+def test_finish_waits_for_completion_not_for_the_future(nccl_waits):
     work = EnqueuedWork()
     threading.Timer(0.3, work.ended.set).start()
     start = time.monotonic()
@@ -80,7 +87,7 @@ def test_finish_waits_for_completion_not_for_the_future():
     assert time.monotonic() - start >= 0.3 and work.waited
 
 
-def test_finish_releases_a_survivor_whose_collective_never_completes():
+def test_finish_releases_a_survivor_whose_collective_never_completes(nccl_waits):
     """The peer died mid-collective: the future said done at enqueue, the kernel never ends. The abort
     (seen by the watch thread) releases the training thread within a poll, and wait() is never called."""
     work, aborted = EnqueuedWork(), threading.Event()
@@ -91,7 +98,7 @@ def test_finish_releases_a_survivor_whose_collective_never_completes():
     assert time.monotonic() - start < 1.0 and not work.waited
 
 
-def test_finish_gives_up_at_the_collective_timeout():
+def test_finish_gives_up_at_the_collective_timeout(nccl_waits):
     with pytest.raises(CollectiveAborted, match="collective timeout"):
         finish(EnqueuedWork(), interrupted=lambda: False, timeout_s=0.2)
 
@@ -114,18 +121,26 @@ def test_no_sync_turns_the_reduction_off_and_back_on():
     assert model.require_backward_grad_sync is False
 
 
-def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]") -> None:
-    """Rank 1 waits in a synchronous barrier that rank 0 never enters; its watch-like thread abandons the group."""
+def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]", ours: bool) -> None:
+    """Rank 1 waits in a synchronous barrier (or, `ours`, in DeadPool's own all-reduce, never told of the
+    abort) that rank 0 never enters; its watch-like thread abandons the group."""
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     join_group(store, "g0/", "gloo", rank, 2, timeout_s=60.0)
     if rank == 0:
-        time.sleep(20)  # alive, connected, never in the barrier
+        time.sleep(20)  # alive, connected, never in the collective
         return
     threading.Timer(0.5, abandon_group, args=(torch.device("cpu"),)).start()
     start = time.monotonic()
     try:
-        dist.barrier()
-        out.put("barrier returned")
+        if ours:
+            flags = torch.zeros(3, dtype=torch.int64)
+            collective(lambda: dist.all_reduce(flags, async_op=True), interrupted=lambda: False, timeout_s=60.0,
+                       what="the stop agreement")
+        else:
+            dist.barrier()
+        out.put("returned")
+    except PeerFailure as error:
+        out.put(f"{time.monotonic() - start:.2f} {str(error).startswith('the stop agreement failed')}")
     except RuntimeError as error:
         out.put(f"{time.monotonic() - start:.2f} {raised_in_torch_distributed(error)}")
     out.close()
@@ -133,16 +148,18 @@ def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]") -> None:
     os._exit(0)  # the abandoned group must not be destroyed at exit
 
 
-def test_abandon_group_releases_a_synchronous_gloo_collective():
+@pytest.mark.parametrize("ours", [False, True], ids=["script_barrier", "deadpools_collective"])
+def test_abandon_group_releases_a_synchronous_gloo_collective(ours):
     """gloo cannot abort: the group's connections are shut down, and the blocked call fails at once with an
     error raised inside torch.distributed (judged a failure once the abort is seen), long before the 60 s
-    collective timeout."""
+    collective timeout. DeadPool's own collectives block in the work's wait on gloo (comms.finish): the same
+    shutdown releases them, as a PeerFailure, with no abort check of their own."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = [ctx.Process(target=_blocked_in_barrier, args=(rank, port, out)) for rank in (0, 1)]
+    procs = [ctx.Process(target=_blocked_in_barrier, args=(rank, port, out, ours)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     try:
