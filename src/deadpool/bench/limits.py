@@ -132,7 +132,7 @@ def _best(run: Callable[[], object], nbytes: int, repeats: int = REPEATS) -> flo
 
 
 def loopback_rates(nbytes: int, repeats: int = REPEATS) -> tuple[float, float]:
-    """One TCP stream over 127.0.0.1 (what gloo's pair groups use between local processes), received into
+    """One TCP stream over 127.0.0.1 (what a replica stream is between local processes), received into
     a buffer of all `nbytes` as a holder's arena is: (bytes per second of wall time, bytes per CPU-second
     of the sending and receiving threads together), each the best of `repeats`."""
     with socket.create_server(("127.0.0.1", 0)) as server:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import os
 import socket
 import struct
 
@@ -46,3 +47,25 @@ def _ipv6_interface(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
         if len(fields) >= 6 and ipaddress.ip_address(bytes.fromhex(fields[0])) == ip:
             return fields[5]
     return ""
+
+
+def listen_address() -> str:
+    """Where this process's replica streams listen (runtime/stream.py): on the interface its process groups
+    use (GLOO_SOCKET_IFNAME's first, which the launcher sets to the one holding the job's address: loopback
+    on one machine, the node's own in a network namespace), else on the host name's address, as gloo does."""
+    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if names:
+        address = _ipv4_of(names[0]) or _ipv6_of(names[0])
+        if address:
+            return address
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _ipv6_of(name: str) -> str | None:
+    try:
+        lines = open("/proc/net/if_inet6").read().splitlines()
+    except OSError:
+        return None
+    ours = [ipaddress.ip_address(bytes.fromhex(f[0])) for f in map(str.split, lines) if len(f) >= 6 and f[5] == name]
+    routable = [ip for ip in ours if not ip.is_link_local]  # a link-local one would need its scope named
+    return str(routable[0]) if routable else None

@@ -64,7 +64,7 @@ class Keys:
 
     def is_report(self, key: str) -> bool:
         """Whether `key` is a report the coordinator waits on (REPORTS), not a heartbeat, a replica stream's
-        announcement or anything else it reads at its own pace."""
+        address or anything else it reads at its own pace."""
         return key.startswith(self.prefix) and REPORTS.match(key, len(self.prefix)) is not None
 
     # membership
@@ -149,9 +149,9 @@ class Keys:
         return self._k(f"g{gen}/xfer/{rank}/")
 
     @staticmethod
-    def announce(stream: str, index: int) -> str:
-        """A replica stream's `index`-th snapshot (from 1), announced under the stream's prefix (pair or transfer)."""
-        return f"{stream}seq/{index}"
+    def listening(stream: str) -> str:
+        """Where a replica stream's sender listens, under the stream's prefix (pair or transfer)."""
+        return f"{stream}addr"
 
     @staticmethod
     def handover(stream: str) -> str:

@@ -24,7 +24,7 @@ class Store(Protocol):
     """What the plane needs of a store: protocol/store.py's client, or the server's own table in the
     coordinator's process."""
 
-    def set(self, key: str, value: str | bytes, drop: str | None = None) -> None: ...
+    def set(self, key: str, value: str | bytes) -> None: ...
     def get(self, key: str, timeout: float | None = None) -> bytes: ...
     def add(self, key: str, delta: int) -> int: ...
     def delete_key(self, key: str) -> bool: ...
@@ -58,10 +58,9 @@ class ControlPlane:
         self.store = store
         self.parsed: dict[object, dict[str, tuple[bytes, object]]] = {}  # kind -> key -> the last (raw, record)
 
-    def put(self, key: str, record: Wire, drop: str | None = None) -> None:
-        """Writes `record` at `key`; `drop`: a key its writer no longer needs, deleted in the same request (a
-        replica stream's previous announcement)."""
-        self.store.set(key, record.to_json(), drop)
+    def put(self, key: str, record: Wire) -> None:
+        """Writes `record` at `key`."""
+        self.store.set(key, record.to_json())
 
     def get(self, key: str, kind: Kind[T], timeout_s: float | None = None) -> T:
         """The record at `key`, waiting up to `timeout_s` for it (StoreTimeout past it; None: the store's default)."""

@@ -6,7 +6,7 @@ protocol/plan.py, the node agents' records in protocol/nodes.py, the job status 
 
     coordinator --Published, Abort, Commit, Target, Running, Shutdown, Fence, PersistOrder--> processes
     process     --Started, Heartbeat, Durable, Ready, Resumed, ScriptError, Device, PersistReport--> coordinator
-    rank        --Announce, Handover (its replica streams' own keys)--> the holder or taker at the other end
+    rank        --Listening, Handover (its replica streams' own keys)--> the holder or taker at the other end
 """
 
 from __future__ import annotations
@@ -229,12 +229,13 @@ class Resumed(Record):
 
 
 @dataclass(frozen=True)
-class Announce(Record):
-    """Snapshot `step` is about to be sent on a replica stream of generation `gen`: wakes the idle holder.
-    Key {stream}seq/{n}. Writer: the sending rank (runtime/replica.py). Reader: the holder."""
+class Listening(Record):
+    """Where the sender of a replica stream of generation `gen` waits for its holder (or taker) to connect.
+    Key {stream}addr. Writer: the sender (runtime/stream.offer). Reader: the other end (stream.join)."""
 
     gen: int
-    step: int
+    host: str
+    port: int
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,9 @@ class Table:
                 for event in events:
                     event.set()
 
-    def set(self, key: str, value: str | bytes, drop: str | None = None) -> None:
-        """`drop`: a key deleted in the same call (a replica stream's previous announcement: one request, not two)."""
+    def set(self, key: str, value: str | bytes) -> None:
         with self.lock:
             self._put(key, _bytes(value))
-            if drop is not None:
-                self._drop(drop)
 
     def _put(self, key: str, value: bytes) -> None:
         """Stores `value` (the caller holds the lock); wakes the calls waiting for `key` if it is new."""
@@ -267,8 +264,8 @@ class StoreServer:
 
     def _apply(self, op: bytes, f: list[bytes]) -> bytes:
         table = self.table
-        if op == b"S":  # key, value[, a key to drop]
-            table.set(f[0].decode(), f[1], f[2].decode() if len(f) > 2 else None)
+        if op == b"S":  # key, value
+            table.set(f[0].decode(), f[1])
             return b""
         if op == b"G":
             return _pack(table.get(f[1].decode(), float(f[0])))
@@ -335,8 +332,8 @@ class StoreClient:
             raise StoreTimeout(why) if status == b"T" else ControlPlaneError(why)
         return out
 
-    def set(self, key: str, value: str | bytes, drop: str | None = None) -> None:
-        self._call(b"S", key.encode(), _bytes(value), *(() if drop is None else (drop.encode(),)))
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call(b"S", key.encode(), _bytes(value))
 
     def get(self, key: str, timeout: timedelta | float | None = None) -> bytes:
         wait_s = _seconds(timeout, self.timeout_s)

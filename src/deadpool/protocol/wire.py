@@ -80,10 +80,11 @@ class Channel:
         self.sock.close()
 
 
-def accept(sock: socket.socket, secret: bytes) -> Channel:
-    """The server's side of the handshake; AuthenticationError when the client does not hold the secret."""
+def accept(sock: socket.socket, secret: bytes, hello: bytes = HELLO) -> Channel:
+    """The server's side of the handshake; AuthenticationError when the client does not hold the secret.
+    `hello` names the protocol (the control plane's, or a replica stream's: runtime/stream.py)."""
     nonce_s = os.urandom(NONCE)
-    sock.sendall(HELLO + nonce_s)
+    sock.sendall(hello + nonce_s)
     answer = _read_exactly(sock, NONCE + MAC)
     nonce_c, proof = answer[:NONCE], answer[NONCE:]
     if not hmac.compare_digest(proof, _mac(secret, b"client", nonce_s, nonce_c)):
@@ -92,17 +93,18 @@ def accept(sock: socket.socket, secret: bytes) -> Channel:
     return Channel(sock, _mac(secret, b"session", nonce_s, nonce_c), outgoing=b"r", incoming=b"q")
 
 
-def connect(sock: socket.socket, secret: bytes) -> Channel:
-    """The client's side of the handshake; AuthenticationError when the server does not hold the secret."""
-    hello = _read_exactly(sock, len(HELLO) + NONCE)
-    if not hello.startswith(HELLO):
-        raise ControlPlaneError("the address does not speak DeadPool's control-plane protocol")
-    nonce_s, nonce_c = hello[len(HELLO):], os.urandom(NONCE)
+def connect(sock: socket.socket, secret: bytes, hello: bytes = HELLO, peer: str = "the coordinator") -> Channel:
+    """The client's side of the handshake; AuthenticationError when the server (`peer`) does not hold the
+    secret."""
+    greeting = _read_exactly(sock, len(hello) + NONCE)
+    if not greeting.startswith(hello):
+        raise ControlPlaneError(f"the address does not speak DeadPool's protocol (expected {hello.decode()})")
+    nonce_s, nonce_c = greeting[len(hello):], os.urandom(NONCE)
     sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
     try:
         proof = _read_exactly(sock, MAC)
     except ConnectionError:
-        raise AuthenticationError("the coordinator refused this process's secret (a secret of another job?)") from None
+        raise AuthenticationError(f"{peer} refused this process's secret (a secret of another job?)") from None
     if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
-        raise AuthenticationError("the coordinator could not prove that it holds the job's secret")
+        raise AuthenticationError(f"{peer} could not prove that it holds the job's secret")
     return Channel(sock, _mac(secret, b"session", nonce_s, nonce_c), outgoing=b"q", incoming=b"r")

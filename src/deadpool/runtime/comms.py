@@ -40,12 +40,15 @@ def pick_backend(requested: str, device_index: int | None) -> tuple[str, torch.d
 
 @contextmanager
 def communicating(what: str) -> Iterator[None]:
-    """Marks DeadPool's own communication (its collectives, joining a generation's group): any error torch's
-    communication layer raises in it is a failure of some peer, raised as PeerFailure whatever its message
-    says. Only communication runs inside, so no error of the script's can be mistaken for one."""
+    """Marks DeadPool's own communication (its collectives, joining a generation's group, its replica
+    streams): any error torch's communication layer or a socket raises in it is a failure of some peer,
+    raised as PeerFailure whatever its message says. Only communication runs inside, so no error of the
+    script's can be mistaken for one. InterruptedError (this process was told to stop) passes as it is."""
     try:
         yield
-    except RuntimeError as error:  # gloo raises plain RuntimeError; torch's DistError types subclass it
+    except InterruptedError:
+        raise
+    except (RuntimeError, OSError) as error:  # gloo raises plain RuntimeError (torch's DistError types too)
         first = str(error).splitlines()[0] if str(error) else ""
         raise PeerFailure(f"{what} failed: {type(error).__name__}: {first}") from error
 

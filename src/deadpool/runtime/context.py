@@ -63,6 +63,10 @@ class Context:
         """A control plane on a client of its own, for a thread that must never queue behind another's call."""
         return ControlPlane(connect(self.config))
 
+    def secret(self) -> bytes:
+        """The job's secret, which replica streams prove too (runtime/stream.py)."""
+        return read_secret(self.config.secret_file)
+
     def generation(self) -> int:
         return self.plane.get(self.keys.generation(), Published).gen
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import threading
 
-from deadpool.errors import ProtocolError
+from deadpool.errors import ChecksumMismatch
 from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Commit
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
-from deadpool.runtime.plane import Interruptible, PlaneStore
 from deadpool.runtime.replica import ReplicaReceiver
 from deadpool.runtime.slots import Slot
+from deadpool.runtime.stream import StreamClosed
 
 
 class Receiver:
@@ -35,16 +35,14 @@ class Receiver:
         ctx, key = self.ctx, self.inc.committed_key()
         reported = 0
         try:
-            client = connect(ctx.config)
-            plane, prefix = ControlPlane(client), self.inc.pair_prefix(self.rank, ctx.proc)
-            self.receiver = ReplicaReceiver(Interruptible(PlaneStore(client), self.stop.is_set), prefix,
-                                            ctx.config.token, self.inc.generation, self.slots,
-                                            ctx.config.collective_timeout_s)
+            plane = ControlPlane(connect(ctx.config))
+            self.receiver = ReplicaReceiver(plane, self.inc.pair_prefix(self.rank, ctx.proc), ctx.secret(),
+                                            self.inc.generation, self.slots, ctx.config.collective_timeout_s,
+                                            stopped=self.stop.is_set)
             while not self.stop.is_set():
                 try:
-                    slot = self.receiver.receive_one(lambda: plane.get(key, Commit).step, self.stop.is_set,
-                                                     endings=(self.inc.abort_key(), ctx.keys.shutdown()))
-                except ProtocolError as error:
+                    slot = self.receiver.receive_one(lambda: plane.get(key, Commit).step, self.stop.is_set)
+                except ChecksumMismatch as error:  # the stream goes on: the sender sends it once more
                     ctx.events.emit("replica_rejected", of_rank=self.rank, error=str(error))
                     continue
                 ranges = slot.held()
@@ -57,16 +55,21 @@ class Receiver:
                     ctx.events.emit("replica_memory", of_rank=self.rank, bytes=allocated, pinned=slot.pinned,
                                     held=sum(b - a for a, b in ranges))
                     reported = allocated
-        except InterruptedError:
+        except (InterruptedError, StreamClosed):  # told to stop; the sender closed its stream between snapshots
             pass
         except Exception as error:  # the sender died or moved on: its stream is over, the slots stay
             if not self.stop.is_set():
                 ctx.events.emit("replica_stream_ended", of_rank=self.rank, error=str(error).splitlines()[0])
+        finally:
+            if self.receiver is not None:
+                self.receiver.close()
 
     def close(self, timeout_s: float) -> None:
         """Stops the thread; if it does not stop in time, the slot it was filling is swapped for a fresh
         one, so the abandoned thread can never write into a slot that is in use again."""
         self.stop.set()
+        if self.receiver is not None:  # wakes the idle wait (or ends a transfer) at once
+            self.receiver.stream.interrupt()
         self.thread.join(timeout_s)
         writing = self.receiver.writing if self.receiver else None
         if self.thread.is_alive() and writing is not None and writing in self.slots:

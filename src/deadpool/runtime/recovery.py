@@ -33,7 +33,6 @@ from deadpool.runtime.comms import communicating
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.failures import RECOVERABLE
 from deadpool.runtime.generation import Incarnation, assume
-from deadpool.runtime.plane import Interruptible, PlaneStore
 from deadpool.runtime.replica import receive_replica, send_replica
 from deadpool.runtime.slots import Slot
 
@@ -191,9 +190,8 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
         if source is not None:
             deadline = time.monotonic() + ctx.config.recovery_timeout_s
             with communicating(f"receiving rank {rank}'s replica from {source}"):
-                slots, rejected = receive_replica(Interruptible(ctx.store, stopped), inc.transfer_prefix(rank),
-                                                  ctx.config.token, inc.generation, ctx.config.collective_timeout_s,
-                                                  deadline, stopped)
+                slots, rejected = receive_replica(ctx.plane, inc.transfer_prefix(rank), ctx.secret(), inc.generation,
+                                                  ctx.config.collective_timeout_s, deadline, stopped)
             for mismatch in rejected:
                 ctx.events.emit("replica_rejected", of_rank=rank, step=mismatch.step, source=source,
                                 error=str(mismatch))
@@ -213,14 +211,13 @@ def _transfer(ctx: Context, member: Member, inc: Incarnation) -> bool:
 
 def hand_over(ctx: Context, inc: Incarnation, rank: int, slots: list[Slot]) -> None:
     """A holder's part of TRANSFER: sends rank's replica to the process that takes the rank over (on a
-    store client of its own: it blocks in gloo's rendezvous, and may run beside the main thread's), until the
-    generation is aborted (the taker died, or failed to come: the coordinator plans again)."""
-    client = connect(ctx.config)
-    plane = ControlPlane(client)
+    store client of its own: it may run beside the main thread's), until the generation is aborted (the
+    taker died, or failed to come: the coordinator plans again)."""
+    plane = ControlPlane(connect(ctx.config))
     over = lambda: any(plane.present([inc.abort_key(), ctx.keys.shutdown()]))  # noqa: E731
     try:
-        sent = send_replica(Interruptible(PlaneStore(client), over), inc.transfer_prefix(rank), ctx.config.token,
-                            inc.generation, slots, ctx.config.collective_timeout_s,
+        sent = send_replica(plane, inc.transfer_prefix(rank), ctx.secret(), inc.generation, slots,
+                            ctx.config.collective_timeout_s, over,
                             lambda: ctx.faults.point("handover", 0, rank=rank),
                             lambda: ctx.faults.point("handover_data", 0, rank=rank))
         ctx.events.emit("replica_handed_over", of_rank=rank, to=inc.plan.ranks[rank], snapshots=sent)

@@ -33,7 +33,6 @@ from deadpool.runtime.context import Context, connect
 from deadpool.runtime.digest import hash_name
 from deadpool.runtime.generation import Incarnation
 from deadpool.runtime.pieces import audited, copy_in, piece_of
-from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.replica import ReplicaSender
 from deadpool.runtime.slices import held
 from deadpool.runtime.slots import Slot, free_slot, make_meta
@@ -158,6 +157,8 @@ class SnapshotEngine:
         if run is None:
             return
         run.stop.set()
+        for sender in list(run.senders.values()):  # a send blocked on a holder that hangs ends now
+            sender.stream.interrupt()
         try:
             run.jobs.put_nowait(None)  # wakes the thread at once if it is waiting for work
         except queue.Full:
@@ -208,6 +209,7 @@ class _Run:
         self.audits: dict[int, tuple[int, int]] = {}  # sliced: step -> (piece audited, its hash from live tensors)
         self.taken = 0  # snapshots handed over in this generation: the same count on every rank (audit rotation)
         self.skipped: list[int] = []
+        self.senders: dict[str, ReplicaSender] = {}  # holder -> its open stream (written by the thread only)
         self.thread = threading.Thread(target=self._run, name=f"deadpool-snapshot-g{inc.generation}", daemon=True)
         self.thread.start()
 
@@ -240,19 +242,18 @@ class _Run:
     def _run(self) -> None:
         if self.engine.cuda:  # this thread's own CUDA calls run on the rank's GPU, never making a context on GPU 0
             torch.cuda.set_device(self.engine.device)
-        client = connect(self.ctx.config)  # its own client: blocking waits must not stall training's
-        store, plane = PlaneStore(client), ControlPlane(client)
-        senders: dict[str, ReplicaSender] = {}
+        plane = ControlPlane(connect(self.ctx.config))  # its own client: blocking waits must not stall training's
+        senders = self.senders
         try:
             for holder in self.inc.plan.holders[self.inc.my_rank()]:  # connect now, not in the first snapshot's path
-                self._connect(holder, store, senders)
+                self._connect(holder, plane, senders)
             while not self.stop.is_set():
                 job = self.jobs.get()  # stop() puts None if nothing is queued: no need to wake up and look
                 if isinstance(job, _Resend):
-                    self._resend(job, store, plane, senders)
+                    self._resend(job, plane, senders)
                     self.queued(-1)
                 elif job is not None:  # None: the wake-up stop() sends
-                    self._snapshot(job, store, plane, senders)
+                    self._snapshot(job, plane, senders)
                     self.queued(-1)
         except InterruptedError:
             pass
@@ -263,9 +264,10 @@ class _Run:
         finally:
             self.copied.set()
             self.idle.set()
-            senders.clear()  # closing the pair groups tells the holders this stream is over
+            for sender in senders.values():  # a closed stream tells its holder that it is over
+                sender.close()
 
-    def _snapshot(self, job: _Job, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
+    def _snapshot(self, job: _Job, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         start = time.monotonic()
         rank, world, sliced = self.inc.my_rank(), self.inc.world_size, self.engine.sliced(self.inc.world_size)
         piece = piece_of(job.layout, rank, world) if sliced else None
@@ -296,7 +298,7 @@ class _Run:
         self.fingerprints[job.step] = fingerprint
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
-            self._replicate(slot, holder, store, senders, replaced)
+            self._replicate(slot, holder, plane, senders, replaced)
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training
@@ -306,10 +308,10 @@ class _Run:
                              copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
-    def _resend(self, job: _Resend, store: PlaneStore, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
+    def _resend(self, job: _Resend, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         slot, start = self.engine.slot_for(job.step), time.monotonic()
         for holder in job.holders:
-            self._replicate(slot, holder, store, senders)
+            self._replicate(slot, holder, plane, senders)
         send_s = time.monotonic() - start  # connecting to the new holders and streaming: a swap's transfer
         self.durable.add(job.step)
         self._report(plane)
@@ -365,17 +367,21 @@ class _Run:
         plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(steps),
                                                   tuple(self.skipped), fingerprints, dict(self.audits)))
 
-    def _connect(self, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender]) -> None:
+    def _connect(self, holder: str, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
         if holder not in senders:
             prefix = self.inc.pair_prefix(self.inc.my_rank(), holder)
-            with communicating(f"connecting to holder {holder}"):
-                senders[holder] = ReplicaSender(store, prefix, self.ctx.config.token, self.inc.generation,
-                                                self.ctx.config.collective_timeout_s)
 
-    def _replicate(self, slot: Slot, holder: str, store: PlaneStore, senders: dict[str, ReplicaSender],
+            def refused(why: str) -> None:
+                self.ctx.events.emit("replica_stream_refused", holder=holder, peer=why)
+
+            with communicating(f"connecting to holder {holder}"):
+                senders[holder] = ReplicaSender(plane, prefix, self.ctx.secret(), self.inc.generation,
+                                                self.ctx.config.collective_timeout_s, self.stop.is_set, refused)
+
+    def _replicate(self, slot: Slot, holder: str, plane: ControlPlane, senders: dict[str, ReplicaSender],
                    replaced: int | None = None) -> None:
         """Sends `slot` to `holder`; `replaced`: the step the slot held before this snapshot (None: a resend)."""
-        self._connect(holder, store, senders)
+        self._connect(holder, plane, senders)
 
         def midway() -> None:
             self.ctx.faults.point("replicate", slot.step or 0)

@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Durable
 from deadpool.runtime.context import Context, connect
 from deadpool.runtime.generation import Incarnation
@@ -41,8 +42,8 @@ def join() -> str:
 
 def replicate() -> str:
     holder = inc.plan.holders[1][0]
-    sender = ReplicaSender(PlaneStore(connect(ctx.config, timeout_s=1.0)), inc.pair_prefix(inc.my_rank(), holder),
-                           ctx.config.token, inc.generation, 1.0)
+    sender = ReplicaSender(ControlPlane(connect(ctx.config, timeout_s=1.0)), inc.pair_prefix(inc.my_rank(), holder),
+                           ctx.secret(), inc.generation, 1.0)
     slot = Slot()
     slot.reserve(8).copy_(torch.arange(8, dtype=torch.uint8))
     slot.seal(99, b"{}", checksum(b"{}", slot.data))

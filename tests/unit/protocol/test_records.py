@@ -11,13 +11,13 @@ from deadpool.protocol.nodes import NodeHello, Pid, ProcessExit, SpawnOrder
 from deadpool.protocol.plan import Plan
 from deadpool.protocol.records import (
     Abort,
-    Announce,
     Commit,
     Device,
     Durable,
     Fence,
     Handover,
     Heartbeat,
+    Listening,
     PersistOrder,
     PersistReport,
     Published,
@@ -79,7 +79,7 @@ EVERY_RECORD = [
     Durable(gen=4, rank=1, steps=(11, 12), skipped=(10,), fingerprints={11: 7, 12: 2**63 - 1}, audits={12: (3, -5)}),
     Ready(gen=5, rank=0, steps=(12,)),
     Resumed(gen=5, rank=0, step=12),
-    Announce(gen=5, step=13),
+    Listening(gen=5, host="10.0.0.2", port=41000),
     Handover(gen=5, snapshots=2),
     NodeHello(node=2, host="n2", pid=99),
     SpawnOrder(node=2, index=1, name="s4", role=Role.SPARE, rank=8),

@@ -178,17 +178,6 @@ def test_closing_the_server_releases_a_blocked_wait():
     assert time.monotonic() - started < 10  # released by the close, not by its 30 s timeout
 
 
-def test_a_set_may_drop_another_key_in_the_same_request(server):
-    """A replica stream announces snapshot n and deletes its announcement of n-1 in one round trip."""
-    client = StoreClient("127.0.0.1", server.port, SECRET, timeout_s=5)
-    client.set("seq/1", b"1")
-    client.set("seq/2", b"2", drop="seq/1")
-    client.set("seq/3", b"3", drop="absent")  # nothing to drop: the set alone
-    assert client.peek(["seq/1", "seq/2", "seq/3"]) == [None, b"2", b"3"]
-    assert "seq/1" not in server.table.written
-    client.close()
-
-
 def test_peek_reads_what_exists_in_one_call_and_never_blocks(server):
     client = StoreClient("127.0.0.1", server.port, SECRET, timeout_s=5)
     client.set("a", b"")

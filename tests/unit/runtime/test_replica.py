@@ -1,21 +1,31 @@
-"""Tests for deadpool/runtime/replica.py over a real store and gloo pair group: a sliced snapshot crosses as
+"""Tests for deadpool/runtime/replica.py over a real store and real sockets: a sliced snapshot crosses as
 the byte ranges it holds, and the holder checks it over exactly those."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from tests.plane import control_plane
 
 from deadpool.config import JobConfig
-from deadpool.protocol.keys import Keys
+from deadpool.protocol.plane import ControlPlane
+from deadpool.protocol.secret import read_secret
 from deadpool.runtime.context import connect
 from deadpool.runtime.pieces import copy_in, piece_of
-from deadpool.runtime.plane import PlaneStore
 from deadpool.runtime.replica import ReplicaReceiver, ReplicaSender
 from deadpool.runtime.slots import Slot, make_meta
 from deadpool.runtime.state import Layout
+
+
+@pytest.fixture(autouse=True)
+def loopback(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the streams listen where a job on one machine's would
+
+
+def ends(config: JobConfig) -> tuple[ControlPlane, bytes]:
+    return ControlPlane(connect(config)), read_secret(config.secret_file)
 
 
 def sliced_slot(rank: int, world: int) -> tuple[Slot, Layout]:
@@ -30,6 +40,25 @@ def sliced_slot(rank: int, world: int) -> tuple[Slot, Layout]:
     return slot, layout
 
 
+def receiving(config: JobConfig, prefix: str, slots: list[Slot], steps: int, got: list[Slot]) -> threading.Thread:
+    """A holder's thread that receives `steps` snapshots on stream `prefix` into `slots`, appending each."""
+
+    def hold() -> None:
+        plane, secret = ends(config)
+        receiver = ReplicaReceiver(plane, prefix, secret, 0, slots, timeout_s=20)
+        got.extend(receiver.receive_one(lambda: None, lambda: False) for _ in range(steps))
+        receiver.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    return thread
+
+
+def sender(config: JobConfig, prefix: str = "pair/") -> ReplicaSender:
+    plane, secret = ends(config)
+    return ReplicaSender(plane, prefix, secret, 0, timeout_s=20)
+
+
 def test_a_sliced_snapshot_crosses_as_its_piece_and_private_state(tmp_path):
     slot, layout = sliced_slot(rank=1, world=3)
     start, end = piece_of(layout, 1, 3)
@@ -39,14 +68,8 @@ def test_a_sliced_snapshot_crosses_as_its_piece_and_private_state(tmp_path):
         for empty in held:
             empty.reserve(layout.nbytes).fill_(0xEE)  # what the holder had there: bytes no stream writes
         received: list[Slot] = []
-
-        def hold() -> None:
-            receiver = ReplicaReceiver(PlaneStore(connect(config)), "pair/", "t", 0, held, timeout_s=20)
-            received.append(receiver.receive_one(lambda: None, lambda: False))
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        ReplicaSender(PlaneStore(connect(config)), "pair/", "t", 0, timeout_s=20).send(slot)
+        holder = receiving(config, "pair/", held, 1, received)
+        sender(config).send(slot)
         holder.join(20)
     [got] = received
     assert (got.step, got.digest, got.meta) == (slot.step, slot.digest, slot.meta) and got.intact()
@@ -56,58 +79,67 @@ def test_a_sliced_snapshot_crosses_as_its_piece_and_private_state(tmp_path):
     assert outside.numel() and bool((outside == 0xEE).all())  # the other ranks' pieces never crossed
 
 
-def test_every_stream_of_a_process_shares_its_one_gloo_device(tmp_path):
-    """A holder of several ranks receives them on one gloo device (one event-loop thread, not one each);
-    streams made at once from several threads still make one device, and each arrives whole."""
-    from deadpool.runtime import replica
-
-    slots = {name: sliced_slot(rank=r, world=2)[0] for r, name in enumerate(("a/", "b/"))}
+def test_streams_opened_at_once_from_several_threads_each_arrive_whole(tmp_path):
+    """A holder of several ranks receives them on streams of their own, opened while the others open."""
+    slots = {name: sliced_slot(rank=r, world=3)[0] for r, name in enumerate(("a/", "b/", "c/"))}
     with control_plane(tmp_path) as (_, plane):
         config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
-        received: dict[str, Slot] = {}
-
-        def hold(prefix: str) -> None:
-            receiver = ReplicaReceiver(PlaneStore(connect(config)), prefix, "t", 0, [Slot(), Slot()], timeout_s=20)
-            received[prefix] = receiver.receive_one(lambda: None, lambda: False)
-
-        def send(prefix: str) -> None:
-            ReplicaSender(PlaneStore(connect(config)), prefix, "t", 0, timeout_s=20).send(slots[prefix])
-
-        threads = [threading.Thread(target=f, args=(p,)) for p in slots for f in (hold, send)]
-        for thread in threads:
+        received: dict[str, list[Slot]] = {prefix: [] for prefix in slots}
+        holders = [receiving(config, prefix, [Slot(), Slot()], 1, received[prefix]) for prefix in slots]
+        senders = [threading.Thread(target=lambda p=prefix: sender(config, p).send(slots[p])) for prefix in slots]
+        for thread in senders:
             thread.start()
-        for thread in threads:
+        for thread in senders + holders:
             thread.join(20)
-    assert len(replica._DEVICES) == 1
     for prefix, slot in slots.items():
-        got = received[prefix]
+        [got] = received[prefix]
         assert (got.step, got.digest) == (slot.step, slot.digest) and got.intact()
 
 
-def test_a_stream_keeps_only_its_newest_announcement(tmp_path):
-    """Every snapshot is announced under a key of its own; a month of them must not pile up in the store, so
-    the request that announces a snapshot deletes the previous announcement (the holder is past it by then)."""
+def test_snapshots_add_nothing_to_the_store(tmp_path):
+    """An idle holder is woken by its socket, not by an announcement in the store: a month of snapshots
+    leaves the store as the first one did (one key: where the sender listens)."""
     slot, _ = sliced_slot(rank=0, world=2)
     with control_plane(tmp_path) as (server, plane):
         config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        received: list[Slot] = []
+        holder = receiving(config, "pair/", [Slot(), Slot()], 3, received)
+        stream = sender(config)
+        stream.send(slot)
+        keys_after_one = server.table.num_keys()
+        stream.send(slot)
+        stream.send(slot)
+        holder.join(20)
+        assert server.table.num_keys() == keys_after_one
+        assert [key for key in server.table.data if key.startswith("pair/")] == ["pair/addr"]
+    assert [got.step for got in received] == [4, 4, 4]
+
+
+def test_a_sender_that_dies_mid_snapshot_leaves_the_holders_slot_unsealed(tmp_path):
+    """The socket closes in the middle of the data: the holder's receive fails at once, and the slot it
+    was filling is not taken for a snapshot."""
+    slot, layout = sliced_slot(rank=0, world=1)
+    with control_plane(tmp_path) as (_, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
         held = [Slot(), Slot()]
-        steps: list[int | None] = []
+        errors: list[BaseException] = []
 
         def hold() -> None:
-            receiver = ReplicaReceiver(PlaneStore(connect(config)), "pair/", "t", 0, held, timeout_s=20)
-            steps.extend(receiver.receive_one(lambda: None, lambda: False).step for _ in range(3))
+            plane_, secret = ends(config)
+            receiver = ReplicaReceiver(plane_, "pair/", secret, 0, held, timeout_s=20)
+            try:
+                receiver.receive_one(lambda: None, lambda: False)
+            except BaseException as error:
+                errors.append(error)
 
         holder = threading.Thread(target=hold)
         holder.start()
-        sender = ReplicaSender(PlaneStore(connect(config)), "pair/", "t", 0, timeout_s=20)
-        sender.send(slot)
-        keys_after_one = server.table.num_keys()
-        sender.send(slot)
-        sender.send(slot)
+        dying = sender(config)
+        with pytest.raises(OSError):
+            dying.send(slot, midway=dying.close)
         holder.join(20)
-        assert server.table.num_keys() == keys_after_one  # the store does not grow with the snapshots
-        assert [key for key in server.table.data if "seq/" in key] == [Keys.announce("pair/", 3)]
-    assert steps == [4, 4, 4]
+    assert not holder.is_alive() and isinstance(errors[0], ConnectionError)
+    assert all(s.step is None for s in held)
 
 
 def test_the_holder_overwrites_the_slot_whose_step_its_sender_replaced_without_asking_the_store(tmp_path):
@@ -127,12 +159,13 @@ def test_the_holder_overwrites_the_slot_whose_step_its_sender_replaced_without_a
         received: list[Slot] = []
 
         def hold() -> None:
-            receiver = ReplicaReceiver(PlaneStore(connect(config)), "pair/", "t", 0, held, timeout_s=20)
+            plane_, secret = ends(config)
+            receiver = ReplicaReceiver(plane_, "pair/", secret, 0, held, timeout_s=20)
             received.append(receiver.receive_one(never_asked, lambda: False))
 
         holder = threading.Thread(target=hold)
         holder.start()
-        ReplicaSender(PlaneStore(connect(config)), "pair/", "t", 0, timeout_s=20).send(slot, replaced=2)
+        sender(config).send(slot, replaced=2)
         holder.join(20)
     assert received == [held[0]] and held[0].step == 4 and held[0].intact()
     assert held[1].step == 3 and bool((held[1].data == 3).all())
