@@ -243,17 +243,16 @@ class _Run:
         if self.engine.cuda:  # this thread's own CUDA calls run on the rank's GPU, never making a context on GPU 0
             torch.cuda.set_device(self.engine.device)
         plane = ControlPlane(connect(self.ctx.config))  # its own client: blocking waits must not stall training's
-        senders = self.senders
         try:
             for holder in self.inc.plan.holders[self.inc.my_rank()]:  # connect now, not in the first snapshot's path
-                self._connect(holder, plane, senders)
+                self._connect(holder, plane)
             while not self.stop.is_set():
                 job = self.jobs.get()  # stop() puts None if nothing is queued: no need to wake up and look
                 if isinstance(job, _Resend):
-                    self._resend(job, plane, senders)
+                    self._resend(job, plane)
                     self.queued(-1)
                 elif job is not None:  # None: the wake-up stop() sends
-                    self._snapshot(job, plane, senders)
+                    self._snapshot(job, plane)
                     self.queued(-1)
         except InterruptedError:
             pass
@@ -264,10 +263,10 @@ class _Run:
         finally:
             self.copied.set()
             self.idle.set()
-            for sender in senders.values():  # a closed stream tells its holder that it is over
+            for sender in self.senders.values():  # a closed stream tells its holder that it is over
                 sender.close()
 
-    def _snapshot(self, job: _Job, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
+    def _snapshot(self, job: _Job, plane: ControlPlane) -> None:
         start = time.monotonic()
         rank, world, sliced = self.inc.my_rank(), self.inc.world_size, self.engine.sliced(self.inc.world_size)
         piece = piece_of(job.layout, rank, world) if sliced else None
@@ -298,7 +297,7 @@ class _Run:
         self.fingerprints[job.step] = fingerprint
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
-            self._replicate(slot, holder, plane, senders, replaced)
+            self._replicate(slot, holder, plane, replaced)
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training
@@ -308,10 +307,10 @@ class _Run:
                              copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
 
-    def _resend(self, job: _Resend, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
+    def _resend(self, job: _Resend, plane: ControlPlane) -> None:
         slot, start = self.engine.slot_for(job.step), time.monotonic()
         for holder in job.holders:
-            self._replicate(slot, holder, plane, senders)
+            self._replicate(slot, holder, plane)
         send_s = time.monotonic() - start  # connecting to the new holders and streaming: a swap's transfer
         self.durable.add(job.step)
         self._report(plane)
@@ -367,28 +366,27 @@ class _Run:
         plane.put(self.inc.durable_key(), Durable(self.inc.generation, self.inc.my_rank(), tuple(steps),
                                                   tuple(self.skipped), fingerprints, dict(self.audits)))
 
-    def _connect(self, holder: str, plane: ControlPlane, senders: dict[str, ReplicaSender]) -> None:
-        if holder not in senders:
+    def _connect(self, holder: str, plane: ControlPlane) -> None:
+        if holder not in self.senders:
             prefix = self.inc.pair_prefix(self.inc.my_rank(), holder)
 
             def refused(why: str) -> None:
                 self.ctx.events.emit("replica_stream_refused", holder=holder, peer=why)
 
             with communicating(f"connecting to holder {holder}"):
-                senders[holder] = ReplicaSender(plane, prefix, self.ctx.secret(), self.inc.generation,
-                                                self.ctx.config.collective_timeout_s, self.stop.is_set, refused)
+                self.senders[holder] = ReplicaSender(plane, prefix, self.ctx.secret(), self.inc.generation,
+                                                     self.ctx.config.collective_timeout_s, self.stop.is_set, refused)
 
-    def _replicate(self, slot: Slot, holder: str, plane: ControlPlane, senders: dict[str, ReplicaSender],
-                   replaced: int | None = None) -> None:
+    def _replicate(self, slot: Slot, holder: str, plane: ControlPlane, replaced: int | None = None) -> None:
         """Sends `slot` to `holder`; `replaced`: the step the slot held before this snapshot (None: a resend)."""
-        self._connect(holder, plane, senders)
+        self._connect(holder, plane)
 
         def midway() -> None:
             self.ctx.faults.point("replicate", slot.step or 0)
 
         with communicating(f"replicating snapshot {slot.step} to {holder}"):
             try:
-                senders[holder].send(slot, midway, replaced)
+                self.senders[holder].send(slot, midway, replaced)
             except ProtocolError as error:  # a corrupted transfer: send once more before giving up
                 self.ctx.events.emit("replica_rejected", step=slot.step, holder=holder, error=str(error))
-                senders[holder].send(slot, replaced=replaced)
+                self.senders[holder].send(slot, replaced=replaced)
