@@ -298,24 +298,26 @@ class _Run:
         self.writing = None
         for holder in self.inc.plan.holders[self.inc.my_rank()]:
             self._replicate(slot, holder, plane, replaced)
-        self.durable.add(job.step)
-        self._report(plane)
-        self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training
+        # the event first: a snapshot the coordinator can commit is always in the events, even if this
+        # process dies right after its report
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, held=digest.fed,
                              audited=0 if other is None else other[1] - other[0],
                              slice=None if piece is None else list(piece), slot_wait_s=reserved - start,
                              copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
                              total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
+        self.durable.add(job.step)
+        self._report(plane)
+        self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training
 
     def _resend(self, job: _Resend, plane: ControlPlane) -> None:
         slot, start = self.engine.slot_for(job.step), time.monotonic()
         for holder in job.holders:
             self._replicate(slot, holder, plane)
         send_s = time.monotonic() - start  # connecting to the new holders and streaming: a swap's transfer
-        self.durable.add(job.step)
-        self._report(plane)
         self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders), bytes=slot.nbytes,
                              held=sum(b - a for a, b in slot.held()), send_s=send_s)
+        self.durable.add(job.step)
+        self._report(plane)
 
     def _reserve(self, job: _Job, plane: ControlPlane) -> tuple[Slot, int | None] | None:
         """A slot for this snapshot, and the step it held before (its holders overwrite the same one): under
