@@ -71,15 +71,27 @@ def finish(work: Any, interrupted: Callable[[], bool], timeout_s: float) -> None
       connections (abandon_group, run by the watch thread), which fails this wait at once. Waking on a
       Python callback of the work's future and an event instead cost ~1 ms more per collective, with a
       tail of several ms, and a step waits for every gradient bucket and the stop agreement
-      (docs/benchmarks.md).
+      (docs/benchmarks.md). The wait is cut in slices of WAIT_SLICE_S, after each of which the abort is
+      asked for: a CI run once saw a rank's stop agreement outlive the abort by 15 s (a whole node lost,
+      FSDP), so the shutdown is not the only way out.
     - NCCL completes a work's future when the kernel is *enqueued*, so the future alone says nothing: the
       work itself is polled until it reports completion (a finished kernel, or an error), and gives up when
       `interrupted()`; the first host sync after this never blocks on a dead peer. The abandoned operation
       is never touched again (the watch aborts the communicator: abandon_group).
     """
     if _blocking_wait:
-        work.wait(timedelta(seconds=timeout_s))
-        return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                work.wait(timedelta(seconds=max(0.001, min(WAIT_SLICE_S, deadline - time.monotonic()))))
+                return
+            except RuntimeError as error:  # torch's Work: the slice ran out, the work goes on
+                if str(error).strip() != "Operation timed out!":
+                    raise
+            if interrupted():
+                raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
+            if time.monotonic() > deadline:
+                raise CollectiveAborted(f"collective did not complete within the collective timeout ({timeout_s:g} s)")
     enqueued = threading.Event()
     work.get_future().add_done_callback(lambda _: enqueued.set())
     deadline, pause = time.monotonic() + timeout_s, 0.0002
@@ -128,6 +140,7 @@ def abandon_group(device: torch.device) -> None:
 
 _group_sockets: set[int] = set()  # inodes of the default group's TCP connections (gloo), found at join
 _blocking_wait = False  # finish blocks in the work's own wait: the default group is gloo's (set at join)
+WAIT_SLICE_S = 0.25  # a blocking wait asks whether the generation was aborted this often
 
 
 def _socket_fds() -> dict[int, int]:

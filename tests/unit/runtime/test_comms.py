@@ -121,26 +121,28 @@ def test_no_sync_turns_the_reduction_off_and_back_on():
     assert model.require_backward_grad_sync is False
 
 
-def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]", ours: bool) -> None:
-    """Rank 1 waits in a synchronous barrier (or, `ours`, in DeadPool's own all-reduce, never told of the
-    abort) that rank 0 never enters; its watch-like thread abandons the group."""
+def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]", ours: bool, shutdown: bool = True) -> None:
+    """Rank 1 waits in a synchronous barrier (or, `ours`, in DeadPool's own all-reduce) that rank 0 never
+    enters; its watch-like thread abandons the group (`shutdown`), or else the abort is only seen."""
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     join_group(store, "g0/", "gloo", rank, 2, timeout_s=60.0)
     if rank == 0:
         time.sleep(20)  # alive, connected, never in the collective
         return
-    threading.Timer(0.5, abandon_group, args=(torch.device("cpu"),)).start()
     start = time.monotonic()
+    if shutdown:
+        threading.Timer(0.5, abandon_group, args=(torch.device("cpu"),)).start()
     try:
         if ours:
             flags = torch.zeros(3, dtype=torch.int64)
-            collective(lambda: dist.all_reduce(flags, async_op=True), interrupted=lambda: False, timeout_s=60.0,
-                       what="the stop agreement")
+            collective(lambda: dist.all_reduce(flags, async_op=True), timeout_s=60.0, what="the stop agreement",
+                       interrupted=lambda: not shutdown and time.monotonic() - start > 0.5)
         else:
             dist.barrier()
         out.put("returned")
     except PeerFailure as error:
-        out.put(f"{time.monotonic() - start:.2f} {str(error).startswith('the stop agreement failed')}")
+        expected = "collective abandoned" if not shutdown else "the stop agreement failed"
+        out.put(f"{time.monotonic() - start:.2f} {str(error).startswith(expected)}")
     except RuntimeError as error:
         out.put(f"{time.monotonic() - start:.2f} {raised_in_torch_distributed(error)}")
     out.close()
@@ -148,18 +150,20 @@ def _blocked_in_barrier(rank: int, port: int, out: "mp.Queue[str]", ours: bool) 
     os._exit(0)  # the abandoned group must not be destroyed at exit
 
 
-@pytest.mark.parametrize("ours", [False, True], ids=["script_barrier", "deadpools_collective"])
-def test_abandon_group_releases_a_synchronous_gloo_collective(ours):
+@pytest.mark.parametrize("ours, shutdown", [(False, True), (True, True), (True, False)],
+                         ids=["script_barrier", "deadpools_collective", "deadpools_collective_abort_only"])
+def test_abandon_group_releases_a_synchronous_gloo_collective(ours, shutdown):
     """gloo cannot abort: the group's connections are shut down, and the blocked call fails at once with an
     error raised inside torch.distributed (judged a failure once the abort is seen), long before the 60 s
     collective timeout. DeadPool's own collectives block in the work's wait on gloo (comms.finish): the same
-    shutdown releases them, as a PeerFailure, with no abort check of their own."""
+    shutdown releases them, as a PeerFailure; and should a shutdown miss, the wait still sees the abort
+    within a slice (CollectiveAborted)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = [ctx.Process(target=_blocked_in_barrier, args=(rank, port, out, ours)) for rank in (0, 1)]
+    procs = [ctx.Process(target=_blocked_in_barrier, args=(rank, port, out, ours, shutdown)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     try:
