@@ -80,7 +80,7 @@ def finish(work: Any, interrupted: Callable[[], bool], timeout_s: float) -> None
       is never touched again (the watch aborts the communicator: abandon_group).
     """
     if _blocking_wait:
-        deadline = time.monotonic() + timeout_s
+        deadline, aborted_at = time.monotonic() + timeout_s, None
         while True:
             try:
                 work.wait(timedelta(seconds=max(0.001, min(WAIT_SLICE_S, deadline - time.monotonic()))))
@@ -88,8 +88,12 @@ def finish(work: Any, interrupted: Callable[[], bool], timeout_s: float) -> None
             except RuntimeError as error:  # torch's Work: the slice ran out, the work goes on
                 if str(error).strip() != "Operation timed out!":
                     raise
+            # the abort is seen before the watch shuts the group: give the shutdown time to fail the work,
+            # so that none is left pending in gloo's threads (destroying the group would wait for it)
             if interrupted():
-                raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
+                aborted_at = aborted_at or time.monotonic()
+                if time.monotonic() - aborted_at >= ABORT_GRACE_S:
+                    raise CollectiveAborted("collective abandoned: the coordinator aborted this generation")
             if time.monotonic() > deadline:
                 raise CollectiveAborted(f"collective did not complete within the collective timeout ({timeout_s:g} s)")
     enqueued = threading.Event()
@@ -141,6 +145,7 @@ def abandon_group(device: torch.device) -> None:
 _group_sockets: set[int] = set()  # inodes of the default group's TCP connections (gloo), found at join
 _blocking_wait = False  # finish blocks in the work's own wait: the default group is gloo's (set at join)
 WAIT_SLICE_S = 0.25  # a blocking wait asks whether the generation was aborted this often
+ABORT_GRACE_S = 1.0  # and gives the abort's shutdown of the group this long to fail the work first
 
 
 def _socket_fds() -> dict[int, int]:
