@@ -178,12 +178,8 @@ class Table:
 
     def delete_key(self, key: str) -> bool:
         with self.lock:
-            return self._drop(key)
-
-    def _drop(self, key: str) -> bool:
-        """Deletes `key` (the caller holds the lock); whether it existed."""
-        self.written.pop(key, None)
-        return self.data.pop(key, None) is not None
+            self.written.pop(key, None)
+            return self.data.pop(key, None) is not None
 
     def num_keys(self) -> int:
         with self.lock:

@@ -37,16 +37,13 @@ ACK = struct.Struct("!3q")  # step, digest, ok
 IDLE_SLICE_S = 0.25  # an idle holder asks whether to stop this often (closing the stream wakes it at once)
 
 
-def _never() -> bool:
-    return False
-
-
 class ReplicaSender:
     """A worker's end of one replica stream. Listens until its holder connects (up to `timeout_s`); a peer
     that cannot prove the job's secret is refused and reported to `refused`."""
 
     def __init__(self, plane: ControlPlane, prefix: str, secret: bytes, gen: int, timeout_s: float,
-                 stopped: Callable[[], bool] = _never, refused: Callable[[str], None] = lambda why: None) -> None:
+                 stopped: Callable[[], bool] = lambda: False,
+                 refused: Callable[[str], None] = lambda why: None) -> None:
         self.stream: Stream = offer(plane, prefix, secret, gen, timeout_s, stopped, refused)
         self.gen = gen
 
@@ -76,7 +73,7 @@ class ReplicaReceiver:
     """A holder's end of one replica stream: keeps the rank's two newest snapshots in two slots."""
 
     def __init__(self, plane: ControlPlane, prefix: str, secret: bytes, gen: int, slots: list[Slot],
-                 timeout_s: float, trusted: bool = False, stopped: Callable[[], bool] = _never) -> None:
+                 timeout_s: float, trusted: bool = False, stopped: Callable[[], bool] = lambda: False) -> None:
         self.stream: Stream = join(plane, prefix, secret, gen, timeout_s, stopped)
         self.trusted = trusted  # checked for a recovery that uses it now (not kept for later): Slot.trusted
         self.gen = gen
@@ -127,7 +124,7 @@ def _held(spans: list[int], nbytes: int, step: int) -> list[tuple[int, int]]:
 
 
 def send_replica(plane: ControlPlane, prefix: str, secret: bytes, gen: int, slots: list[Slot], timeout_s: float,
-                 stopped: Callable[[], bool] = _never, announced: Callable[[], None] = lambda: None,
+                 stopped: Callable[[], bool] = lambda: False, announced: Callable[[], None] = lambda: None,
                  midway: Callable[[], None] = lambda: None) -> int:
     """Recovery, holder -> taker: streams every snapshot of one rank it holds to the process taking it over,
     unchecked: the taker checks each on arrival anyway (the one pass over the bytes a transfer needs) and

@@ -46,10 +46,6 @@ def stream_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"deadpool replica stream", hashlib.sha256).digest()
 
 
-def _never() -> bool:
-    return False
-
-
 class StreamClosed(ConnectionError):
     """The other end closed the stream between two messages: its generation or the job ended, or it died."""
 
@@ -107,7 +103,7 @@ class Stream:
 
 
 def offer(plane: ControlPlane, prefix: str, secret: bytes, gen: int, timeout_s: float,
-          stopped: Callable[[], bool] = _never, refused: Callable[[str], None] = lambda why: None) -> Stream:
+          stopped: Callable[[], bool] = lambda: False, refused: Callable[[str], None] = lambda why: None) -> Stream:
     """The sender's end: listens, publishes where, and returns the first connection whose peer proves the
     job's secret within `timeout_s`. Others are closed and reported to `refused`. TimeoutError when no peer
     came in time, InterruptedError once `stopped()`."""
@@ -136,7 +132,7 @@ def offer(plane: ControlPlane, prefix: str, secret: bytes, gen: int, timeout_s: 
 
 
 def join(plane: ControlPlane, prefix: str, secret: bytes, gen: int, timeout_s: float,
-         stopped: Callable[[], bool] = _never) -> Stream:
+         stopped: Callable[[], bool] = lambda: False) -> Stream:
     """The receiver's end: waits (up to `timeout_s`, giving up once `stopped()`) for the sender to listen,
     connects and proves the job's secret, as the sender must."""
     deadline = time.monotonic() + timeout_s
