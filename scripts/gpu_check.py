@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from deadpool.bench.limits import measure_bandwidths
 from deadpool.config import Fault, JobConfig
 from deadpool.events import read_events
 from deadpool.launcher.launch import launch
@@ -55,7 +56,7 @@ class Run:
         return [e for e in self.events if e["event"] == event]
 
 
-def job(out: Path, backend: str, name: str, script_args: list[str], *, spares: int = 1, every: int = 1,
+def job(out: Path, backend: str, name: str, script_args: list[str], *, spares: int = 1, every: int | str = 1,
         deterministic: bool = True, faults: tuple[Fault, ...] = ()) -> Run:
     config = JobConfig(script=str(EXAMPLE), script_args=tuple(script_args), workers=1, spares=spares,
                        run_dir=str(out / name), backend=backend, snapshot_every=every, deterministic=deterministic,
@@ -91,16 +92,49 @@ def correctness(out: Path, backend: str, model: list[str], deterministic: bool) 
 
 
 def snapshot_path(run: Run) -> dict[str, Any]:
-    """Pinned slots and device-to-host bandwidth, from the snapshot events of the worker."""
+    """Pinned slots and device-to-host bandwidth, from the snapshot events of the worker: `landed_s` is the
+    copy until its last byte is in the slot (training may go on), `copy_s` until it is hashed too, and the
+    rest of `total_s` (after the wait for a free slot) is the stream to the holder and its acknowledgement."""
     snaps = [e for e in run.named("snapshot") if e.get("role") == "worker"]
     later = [e for e in snaps if e["step"] >= 1]
-    rates = [e["bytes"] / e["copy_s"] / 1e9 for e in later if e["copy_s"] > 0]
+    rates = [e["bytes"] / e["landed_s"] / 1e9 for e in later if e["landed_s"] > 0]
+
+    def median(field: str) -> float | None:
+        return statistics.median(e[field] for e in later) if later else None
+
     return {"snapshots": len(snaps), "bytes": snaps[-1]["bytes"] if snaps else None,
             "pinned_from_step_1": bool(later) and all(e["pinned"] for e in later),
             "step_0_pinned": snaps[0]["pinned"] if snaps else None,
             "d2h_gbps_median": statistics.median(rates) if rates else None,
             "d2h_gbps_max": max(rates) if rates else None,
-            "engine_s_median": statistics.median(e["total_s"] for e in later) if later else None}
+            "landed_s_median": median("landed_s"), "copy_and_hash_s_median": median("copy_s"),
+            "slot_wait_s_median": median("slot_wait_s"),
+            "send_s_median": statistics.median(e["total_s"] - e["slot_wait_s"] - e["copy_s"] for e in later)
+            if later else None,
+            "engine_s_median": median("total_s")}
+
+
+def machine(nbytes: int) -> dict[str, Any]:
+    """This machine's own ceilings: one-core memcpy, hash and loopback TCP (bench/limits.py, as `deadpool
+    bench overhead` prints them), and one device-to-host copy of `nbytes` into pinned and into pageable
+    memory (best of 3)."""
+    rates = measure_bandwidths()
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    result = {"memcpy_gbps": rates.memcpy / 1e9, "hash_gbps": rates.hash / 1e9, "hash": rates.hash_name,
+              "copy_and_hash_gbps": rates.copy_and_hash / 1e9, "loopback_gbps": rates.loopback / 1e9,
+              "cores": rates.cores}
+    for kind, target in (("pinned", torch.empty(nbytes, dtype=torch.uint8).pin_memory()),
+                         ("pageable", torch.empty(nbytes, dtype=torch.uint8))):
+        target.fill_(0)  # pages touched before the copies
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            target.copy_(source, non_blocking=kind == "pinned")
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        result[f"d2h_{kind}_gbps"] = nbytes / best / 1e9
+    return result
 
 
 def mean_step_s(run: Run, skip: int) -> float:
@@ -117,9 +151,14 @@ def overhead(out: Path, backend: str, model: list[str]) -> dict[str, Any]:
             "every-1-no-spare": job(out, backend, "overhead-every-1-no-spare", args, every=1, spares=0)}
     steps = {name: mean_step_s(run, skip=10) for name, run in runs.items()}
     blocked = [e["wait_s"] for e in runs["every-1"].named("step") if e["role"] == "worker" and e["step"] > 10]
+    # `auto` settles its interval at the end of its calibration (step 24): measured after step 30
+    auto = job(out, backend, "overhead-auto", [*model, "--steps", "60", "--log-every", "10"], every="auto")
+    steps["auto"] = mean_step_s(auto, skip=30)
     return {"step_s": steps,
             "ratio_every_1": steps["every-1"] / steps["off"],
             "ratio_every_1_no_spare": steps["every-1-no-spare"] / steps["off"],
+            "ratio_auto": steps["auto"] / steps["off"],
+            "auto_every": [e["every"] for e in auto.named("snapshot_interval")],
             "training_wait_s_mean": statistics.mean(blocked) if blocked else None,
             "snapshot_path": snapshot_path(runs["every-1"]),
             "snapshot_path_no_spare": snapshot_path(runs["every-1-no-spare"])}
@@ -150,6 +189,9 @@ def main() -> int:
         report["duration_s"] = time.monotonic() - started
         (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
 
+    if not args.rehearse:
+        report["machine"] = machine(683_785_920)  # the large model's snapshot
+        print(json.dumps(report["machine"]), flush=True)
     print("correctness, deterministic on:", flush=True)
     report["deterministic"] = correctness(args.out, backend, TINY if args.rehearse else SMALL, deterministic=True)
     save()
@@ -182,7 +224,8 @@ def main() -> int:
     if "overhead" in report:
         o = report["overhead"]
         print(f"overhead of a snapshot every step: x{o['ratio_every_1']:.3f} (spare holding replicas), "
-              f"x{o['ratio_every_1_no_spare']:.3f} (no spare); step {o['step_s']['off'] * 1e3:.0f} ms; "
+              f"x{o['ratio_every_1_no_spare']:.3f} (no spare); auto x{o['ratio_auto']:.3f} at intervals "
+              f"{o['auto_every']}; step {o['step_s']['off'] * 1e3:.0f} ms; "
               f"device-to-host {o['snapshot_path']['d2h_gbps_median'] or 0:.1f} GB/s (PCIe ~{PCIE_GBPS[0]:.0f}-"
               f"{PCIE_GBPS[1]:.0f} GB/s)")
     for name, ok in checks.items():

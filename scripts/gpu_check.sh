@@ -15,4 +15,4 @@ PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c 'import numpy, torch; assert torch.cuda.is_available(), "no GPU visible"' \
   || { echo "gpu_check: needs python3 with torch (CUDA) and numpy" >&2; exit 2; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 290 "$PYTHON" scripts/gpu_check.py --out "$OUT"
+exec timeout 330 "$PYTHON" scripts/gpu_check.py --out "$OUT"

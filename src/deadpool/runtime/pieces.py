@@ -101,8 +101,8 @@ def copy_in(tensors: Sequence[torch.Tensor], layout: Layout, buffer: torch.Tenso
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         if ready is not None and stream is not None:
             stream.wait_event(ready)
-        digest = copy_hashed(sources(tensors, layout, piece), buffer, ranges, lead, behind=stream is None,
-                             non_blocking=stream is not None, midway=midway, settle=settle)
+        digest = copy_hashed(sources(tensors, layout, piece), buffer, ranges, lead, device=stream is not None,
+                             midway=midway, settle=settle)
     return digest, seen[0] if seen else None
 
 

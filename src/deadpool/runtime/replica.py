@@ -28,7 +28,8 @@ from deadpool.errors import ChecksumMismatch, ProtocolError
 from deadpool.protocol.keys import Keys
 from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Handover
-from deadpool.runtime.slots import Slot, checksum, pick_slot
+from deadpool.runtime.digest import CHUNK, Digest
+from deadpool.runtime.slots import Slot, pick_slot
 from deadpool.runtime.stream import Stream, join, offer
 
 RANGES = 2  # held byte ranges a snapshot has at most (slices.held: its piece, then its private state)
@@ -94,10 +95,10 @@ class ReplicaReceiver:
         meta_bytes = frame[HEADER.size:]
         ranges = _held(spans, nbytes, step)
         slot = self.writing = pick_slot(self.slots, None if replaced < 0 else replaced, committed)
-        data = slot.reserve(nbytes)
-        for start, end in ranges:
-            self.stream.recv_bytes(data[start:end])
-        got = checksum(meta_bytes, slot.data, ranges)
+        data, hashing = slot.reserve(nbytes), Digest()
+        for start, end in ranges:  # hashed chunk by chunk as it lands: one pass over the bytes, from cache
+            self.stream.recv_bytes(data[start:end], hashing.update, CHUNK)
+        got = hashing.finish(meta_bytes)[1]
         ok = int(got == digest)
         if ok:
             slot.seal(step, meta_bytes, digest, trusted=self.trusted, ranges=ranges)

@@ -284,15 +284,21 @@ class _Run:
         slot, replaced = reserved_slot
         reserved = time.monotonic()
         self._report_memory()
+        landed: list[float] = []  # when training may go on: every byte is in the slot (on GPU, before the hash)
+
+        def copied() -> None:
+            landed.append(time.monotonic())
+            self.copied.set()
+
         digest, seen = copy_in(job.flat.tensors, job.layout, slot.data, piece, other, stream=self.engine._stream,
-                               ready=job.ready, copied=self.copied.set,
+                               ready=job.ready, copied=copied,
                                midway=lambda: self.ctx.faults.point("snapshot_copy", job.step))
         if seen is not None:
             self.audits[job.step] = (checked, seen)
         meta = make_meta(job.step, job.flat.skeleton, job.layout, job.flat.numpy, job.flat.cuda, job.flat.stable,
                          self.engine.replicated, piece)
         fingerprint, whole = digest.finish(meta)
-        copied = time.monotonic()
+        hashed = time.monotonic()
         slot.seal(job.step, meta, whole, trusted=True, ranges=held(job.layout.lead_nbytes, job.layout.nbytes, piece))
         self.fingerprints[job.step] = fingerprint
         self.writing = None
@@ -303,8 +309,9 @@ class _Run:
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, held=digest.fed,
                              audited=0 if other is None else other[1] - other[0],
                              slice=None if piece is None else list(piece), slot_wait_s=reserved - start,
-                             copy_s=copied - reserved, hash=hash_name(), pinned=slot.pinned,
-                             total_s=time.monotonic() - start, holders=list(self.inc.plan.holders[self.inc.my_rank()]))
+                             landed_s=landed[0] - reserved, copy_s=hashed - reserved, hash=hash_name(),
+                             pinned=slot.pinned, total_s=time.monotonic() - start,
+                             holders=list(self.inc.plan.holders[self.inc.my_rank()]))
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training

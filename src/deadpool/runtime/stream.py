@@ -70,14 +70,19 @@ class Stream:
         """Sends a contiguous uint8 CPU tensor's bytes as they are (the kernel copies them, no Python copy)."""
         self.sock.sendall(data.numpy().data)
 
-    def recv_bytes(self, data: torch.Tensor) -> None:
-        """Fills a contiguous uint8 CPU tensor from the stream, in place."""
-        view, got = data.numpy().data, 0
+    def recv_bytes(self, data: torch.Tensor, landed: Callable[[memoryview], None] = lambda _: None,
+                   chunk: int = 1 << 62) -> None:
+        """Fills a contiguous uint8 CPU tensor from the stream, in place, handing each `chunk` bytes to
+        `landed` as soon as they are in (a holder hashes them then, while they are still in cache)."""
+        view, got, fed = data.numpy().data, 0, 0
         while got < len(view):
-            n = self.sock.recv_into(view[got:])
+            n = self.sock.recv_into(view[got: min(len(view), fed + chunk)])
             if not n:
                 raise ConnectionError("the sender closed the replica stream in the middle of a snapshot")
             got += n
+            if got - fed >= chunk or got == len(view):
+                landed(view[fed:got])
+                fed = got
 
     def wait_readable(self, stopped: Callable[[], bool], slice_s: float) -> None:
         """Idle: returns once the peer starts to send; StreamClosed if it closes the stream instead,

@@ -119,9 +119,16 @@ def test_midway_and_settle_run_once_in_order():
     assert calls == ["midway", "settle"]
 
 
-def test_without_behind_the_buffer_is_hashed_after_settle():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run by scripts/gpu_check.sh)")
+def test_from_a_gpu_each_piece_is_hashed_once_landed_and_settle_follows_the_last_copy(monkeypatch):
+    monkeypatch.setattr(digest_module, "DEVICE_CHUNK", 1000)  # pieces that straddle tensors and padding
     tensors, lead = rank_state(private=0)
-    layout, sources = layout_sources(tensors, lead)
-    a, b = (torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(2))
-    assert (copy(sources, a, layout, behind=False).finish(b"")
-            == copy(sources, b, layout).finish(b""))
+    layout, on_cpu = layout_sources(tensors, lead)
+    _, on_gpu = layout_sources([t.cuda() for t in tensors], lead)
+    gpu_slot, cpu_slot = torch.zeros(layout.nbytes, dtype=torch.uint8).pin_memory(), torch.zeros(layout.nbytes,
+                                                                                                 dtype=torch.uint8)
+    side, seen = torch.cuda.Stream(), []
+    with torch.cuda.stream(side):
+        got = copy(on_gpu, gpu_slot, layout, device=True, settle=lambda: seen.append(gpu_slot.clone()))
+    assert got.finish(b"") == copy(on_cpu, cpu_slot, layout).finish(b"")
+    assert torch.equal(gpu_slot, cpu_slot) and torch.equal(seen[0], cpu_slot)  # settled once all had landed

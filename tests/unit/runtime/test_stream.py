@@ -49,7 +49,7 @@ def offered(plane: ControlPlane, secret: bytes, timeout_s: float = 20, **kw) -> 
     return thread, out
 
 
-def test_a_stream_listens_on_loopback_and_carries_frames_and_bytes(job):
+def test_a_stream_listens_on_loopback_and_carries_frames_and_bytes_handed_over_chunk_by_chunk(job):
     plane, secret, config = job
     thread, out = offered(plane, secret)
     receiver = stream.join(ControlPlane(connect(config)), "pair/", secret, 0, timeout_s=20)
@@ -59,11 +59,13 @@ def test_a_stream_listens_on_loopback_and_carries_frames_and_bytes(job):
     data = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)  # more than the socket buffers hold
     sending = threading.Thread(target=lambda: (sender.send_frame(b"header"), sender.send_bytes(data)))
     sending.start()
-    got = torch.empty_like(data)
+    got, pieces = torch.empty_like(data), []
     assert receiver.recv_frame() == b"header"
-    receiver.recv_bytes(got)
+    receiver.recv_bytes(got, lambda piece: pieces.append(bytes(piece)), chunk=300_000)  # 4 MiB: 14 pieces, 1 short
     sending.join(20)
     assert torch.equal(got, data)
+    assert [len(p) for p in pieces] == [300_000] * 13 + [len(data) - 13 * 300_000]  # each handed over once, whole
+    assert b"".join(pieces) == data.numpy().tobytes()
     receiver.send_frame(b"ack")
     assert sender.recv_frame() == b"ack"
     sender.close()
