@@ -1,4 +1,5 @@
-"""Commits are decided by the coordinator alone, from durable reports, and keep flowing under `skip`."""
+"""Commits are decided by the coordinator alone, from durable reports, and keep flowing under `skip`; training
+kept waiting by snapshots is told so."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import signal
 import time
 
-from .conftest import Background
+from .conftest import SCRIPTS, Background, run_job
 
 
 def test_commits_keep_flowing_under_skip_when_replication_is_held_back(tmp_path, reference):
@@ -27,3 +28,26 @@ def test_commits_keep_flowing_under_skip_when_replication_is_held_back(tmp_path,
     assert all(e["role"] == "coordinator" for e in job.named("commit"))  # the one writer
     # skipping snapshots changes nothing in training: the reference's 10 steps are this run's first 10
     assert {rank: losses[:10] for rank, losses in job.summary["losses"].items()} == reference.summary["losses"]
+
+
+def test_training_kept_waiting_by_snapshots_is_told_once_and_not_when_snapshots_are_sparse(tmp_path):
+    """64 MB of state and a step of a few milliseconds: the snapshot engine cannot keep up with a snapshot
+    every step, so training waits for it, and the user is told once (rank 0's output, an event per rank) how
+    often to snapshot instead. Snapshotting every 100 steps, the same job waits a few percent (the first step
+    of each interval waits for the copy to land) and is not told."""
+    heavy = {"script": SCRIPTS / "heavy_state.py", "script_args": (), "workers": 2}
+    told = run_job(tmp_path / "every-step", steps=30, **heavy)
+    assert told.code == 0, told.summary["error"]
+    events = told.named("snapshots_behind")
+    assert sorted(e["rank"] for e in events) == [0, 1]
+    for event in events:
+        assert event["waited_share"] > 0.1 and event["engine_s"] > event["step_s"] and event["every"] == 1
+        assert event["advice_every"] >= 2 and event["step"] > 2
+    log = (tmp_path / "every-step" / "logs" / "w0.log").read_text()
+    assert log.count("snapshots are slowing training") == 1 and "--snapshot-every auto" in log
+    assert "snapshots are slowing training" not in (tmp_path / "every-step" / "logs" / "w1.log").read_text()
+
+    sparse = run_job(tmp_path / "sparse", steps=300, snapshot_every=100, **heavy)
+    assert sparse.code == 0, sparse.summary["error"]
+    assert [e["step"] for e in sparse.named("commit")] == [0, 100, 200, 300]
+    assert not sparse.named("snapshots_behind")

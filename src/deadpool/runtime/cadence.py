@@ -20,6 +20,10 @@ and every REPRICE_STEPS the ranks agree again on the interval from the pairs of 
 estimate tightens as a run goes on and follows a machine whose load changes. With an interval of 1 no step
 is free, and the interval stays (it is within the budget already). Pure functions: the step loop records
 when steps end and which were snapshotted, and agree.py makes every rank take the same interval.
+
+Under a fixed interval, `behind` says when training waits for the snapshot engine long enough that the
+user must be told, and which interval the engine would keep up with (an H200 with 0.68 GB of state and
+149 ms steps waited 334 ms a step at every step: docs/benchmarks.md "GPU: one H200").
 """
 
 from __future__ import annotations
@@ -71,3 +75,50 @@ def price(durations: dict[int, float], snapshotted: set[int]) -> Price | None:
         return None
     return Price(cost_s=max(0.0, statistics.median(pairs)), step_s=statistics.median(free.values()),
                  pairs=len(pairs))
+
+
+BEHIND_STEPS = 10    # the shortest window over which training's wait for snapshots is judged (else the interval)
+BEHIND_SHARE = 0.10  # waiting this share of the window's time is worth telling the user
+
+
+def behind_window(every: int) -> int:
+    """How many recent steps the wait is judged over: at least one whole interval, whose first step waits
+    for the last snapshot's copy to land however fast the engine is."""
+    return max(BEHIND_STEPS, every)
+
+
+@dataclass(frozen=True)
+class Behind:
+    """Training waits for the snapshot engine: a snapshot takes longer than the steps between two."""
+
+    waited_share: float  # of the window's wall time
+    engine_s: float      # the engine's busy time per snapshot (copy, hash, send, acks)
+    step_s: float        # a step without the wait
+    every: int           # the interval snapshots were taken at
+    advice_every: int    # the densest interval the engine would keep up with: engine_s / step_s, rounded up
+
+    def message(self) -> str:
+        return (f"snapshots are slowing training: it waited {self.waited_share:.0%} of its last "
+                f"{behind_window(self.every)} steps for the snapshot engine (a snapshot takes it "
+                f"{self.engine_s * 1e3:.0f} ms, against {self.every * self.step_s * 1e3:.0f} ms of training "
+                f"between two snapshots). Snapshot every {self.advice_every} steps or more (--snapshot-every "
+                f"{self.advice_every}), or let DeadPool price the interval (--snapshot-every auto)")
+
+
+def behind(waits: list[float], durations: list[float], engine_s: list[float], every: int) -> Behind | None:
+    """Whether, over the last behind_window(every) steps (`waits`: each's wait for the last snapshot's copy,
+    which waits for the engine to finish the one before and for a free slot; `durations`: each's whole
+    time), training waited more than BEHIND_SHARE of its time for the snapshot engine; None if it did not
+    (or too few steps or snapshots are known yet). `engine_s`: the engine's recent busy times per snapshot.
+    The caller leaves out the first two intervals, whose snapshots fill the slots and holders for the first
+    time."""
+    window = behind_window(every)
+    if len(waits) < window or len(durations) < window or not engine_s or every < 1:
+        return None
+    waited, took = sum(waits[-window:]), sum(durations[-window:])
+    if took <= 0 or waited <= BEHIND_SHARE * took:
+        return None
+    step_s = max((took - waited) / window, 1e-6)
+    engine = statistics.median(engine_s)
+    return Behind(waited_share=waited / took, engine_s=engine, step_s=step_s, every=every,
+                  advice_every=max(every + 1, math.ceil(engine / step_s)))

@@ -25,7 +25,7 @@ from deadpool.events import EventLog
 from deadpool.protocol.kinds import Phase
 from deadpool.protocol.records import Commit
 from deadpool.runtime.agree import agree_on_interval, agree_to_stop
-from deadpool.runtime.cadence import PRICED_STEPS, agrees_after, snapshots_after
+from deadpool.runtime.cadence import PRICED_STEPS, agrees_after, behind, behind_window, snapshots_after
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
@@ -52,6 +52,8 @@ class StepLoop:
         self.step_ends: dict[int, float] = {}  # `auto`: when each recent step ended (cadence.py)
         self.snapshotted: set[int] = set()     # `auto`: the recent steps after which a snapshot was taken
         self.logged_loss: Any = None  # the last loss= the script gave session.log in this step
+        self.recent: list[tuple[float, float]] = []  # the last steps' (wait for a snapshot slot, whole duration)
+        self.told_behind = False  # the user was told that snapshots slow training (once per process)
         self.inputs = InputFingerprints()  # what the model was fed, step by step: a replay must be fed the same
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
@@ -140,6 +142,20 @@ class StepLoop:
             self.member.engine.wait_copied()
         self.member.progress.mark(self.member.step + 1, "optimizer")
 
+    def _tell_if_behind(self, waited: float, duration: float) -> None:
+        """Tells the user, once, when training waits for the snapshot engine (cadence.behind says when; the
+        first two intervals, which fill the slots and holders, are not judged)."""
+        self.recent = (self.recent + [(waited, duration)])[-behind_window(self.every):]
+        found = behind([w for w, _ in self.recent], [d for _, d in self.recent], list(self.member.engine.costs),
+                       self.every)
+        if found is not None:
+            self.told_behind = True
+            self.member.ctx.events.emit("snapshots_behind", step=self.member.step, waited_share=found.waited_share,
+                                        engine_s=found.engine_s, step_s=found.step_s, every=found.every,
+                                        advice_every=found.advice_every)
+            if self.member.rank == 0:
+                print(f"[deadpool] {found.message()}", file=sys.stderr, flush=True)
+
     def _snapshots_after(self, step: int) -> bool:
         return snapshots_after(step) if self.calibrating else step % self.every == 0
 
@@ -165,6 +181,8 @@ class StepLoop:
         # thread_cpu_s: the training thread's CPU so far (what a benchmark compares across variants)
         member.ctx.events.emit("step", step=step, loss=value, dur_s=duration, wait_s=member.engine.wait_s - waited,
                                replay=replay, thread_cpu_s=time.thread_time())
+        if not self.auto and self.every and not self.told_behind and step > 2 * self.every:
+            self._tell_if_behind(member.engine.wait_s - waited, duration)  # (`auto` prices its snapshots itself)
         if self.auto:  # a step's whole time, snapshot capture and agreements included, as users see it
             self.step_ends[step] = time.monotonic()
         if self.every and (self._snapshots_after(step) or self.check_next):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ from deadpool.runtime.slices import held
 from deadpool.runtime.slots import Slot, free_slot, make_meta
 from deadpool.runtime.state import Flat, Layout, Stateful, flatten
 from deadpool.runtime.watch import Watch
+
+COSTS_KEPT = 100  # the engine's busy time of this many recent snapshots: what `auto` and the lag warning read
 
 
 @dataclass
@@ -66,7 +69,7 @@ class SnapshotEngine:
         self.slots = slots or [Slot(), Slot()]
         self.wait_s = 0.0            # total time the training thread waited for copies
         self.replicated = False      # data parallel: the stable tensors are equal on every rank (sliced, checked)
-        self.costs: list[float] = []  # engine busy seconds per snapshot (copy and hash + replicate)
+        self.costs: deque[float] = deque(maxlen=COSTS_KEPT)  # engine busy seconds per recent snapshot
         self.reported_bytes = 0       # host memory of the slots, as last reported (`slot_memory`)
         self.committed: int | None = None  # the newest commit this rank has seen: what it persists if told to stop
         self.lock = threading.Lock()  # taken to reserve a slot, and to take slots away from a stopped run

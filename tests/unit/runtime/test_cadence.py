@@ -1,9 +1,10 @@
-"""`auto`'s price of a snapshot: steps beside a snapshot's work against their free neighbours."""
+"""`auto`'s price of a snapshot: steps beside a snapshot's work against their free neighbours; and when
+snapshots slow training enough that the user must be told (`behind`)."""
 
 import pytest
 
 from deadpool.runtime import cadence
-from deadpool.runtime.cadence import CALIBRATION_STEPS, WARM_STEPS, Price, agrees_after, price, snapshots_after
+from deadpool.runtime.cadence import CALIBRATION_STEPS, WARM_STEPS, Price, agrees_after, behind, price, snapshots_after
 
 CALIBRATED = {s for s in range(CALIBRATION_STEPS + 1) if snapshots_after(s)}  # step 0: the job's first commit
 
@@ -75,3 +76,35 @@ def test_after_the_calibration_every_snapshot_prices_the_step_after_it():
 def test_every_step_leaves_no_free_step_to_price():
     snapshotted = set(range(CALIBRATION_STEPS, 101))
     assert price({s: 0.5 for s in range(CALIBRATION_STEPS + 2, 101)}, snapshotted) is None
+
+
+def test_training_that_waits_a_tenth_of_its_time_for_snapshots_is_behind_and_told_how_often_to_snapshot():
+    # 10 steps of 149 ms compute, each waiting 334 ms for a free slot; the engine takes 485 ms a snapshot
+    found = behind([0.334] * 10, [0.483] * 10, [0.485, 0.480, 0.490], every=1)
+    assert found is not None
+    assert found.waited_share == pytest.approx(0.334 / 0.483)
+    assert found.step_s == pytest.approx(0.149)
+    assert found.engine_s == 0.485
+    assert found.advice_every == 4  # 485 / 149 = 3.26, rounded up
+    assert "every 4 steps or more (--snapshot-every 4)" in found.message()
+
+
+def test_a_small_wait_too_few_steps_or_no_snapshot_yet_is_not_behind():
+    assert behind([0.009] * 10, [0.1] * 10, [0.05], every=1) is None    # 9 %: within the share
+    assert behind([0.05] * 9, [0.1] * 9, [0.2], every=1) is None        # not a whole window yet
+    assert behind([0.05] * 10, [0.1] * 10, [], every=1) is None         # no snapshot finished yet
+    assert behind([0.0] * 20 + [0.05] * 10, [0.1] * 30, [0.2], every=1) is not None  # only the last window
+
+
+def test_a_sparse_interval_is_judged_over_a_whole_interval():
+    # every 50 steps of 2 ms, the first step of each interval waiting 8 ms for the copy to land: 7 %
+    waits = [0.008] + [0.0] * 49
+    assert behind([0.02] + [0.0] * 9, [0.022] + [0.002] * 9, [0.03], every=50) is None  # not a whole interval yet
+    assert behind(waits, [0.010] + [0.002] * 49, [0.03], every=50) is None
+    assert behind([0.02] + [0.0] * 49, [0.022] + [0.002] * 49, [0.03], every=50) is not None  # 18 %
+
+
+def test_the_advice_is_always_a_sparser_interval():
+    # an engine faster than a step still leaves training waiting (a slow commit, say): at least every + 1
+    found = behind([0.02] * 10, [0.1] * 10, [0.01], every=3)
+    assert found is not None and found.advice_every == 4
