@@ -57,13 +57,13 @@ def test_the_abort_is_seen_at_once_and_acted_on_once(tmp_path):
 def test_a_closed_watch_ignores_a_later_abort_and_its_thread_ends(tmp_path):
     with control_plane(tmp_path) as (server, fields):
         aborts: list[float] = []
+        before = set(threading.enumerate())  # another test's watch of generation 0 may still be winding down
         watch, inc = _watch(tmp_path, fields, aborts)
+        [ours] = [t for t in threading.enumerate() if t not in before and t.name == "deadpool-abort-g0"]
         watch.close()
         ControlPlane(server.table).put(inc.abort_key(), Abort(0, "after the close"))
-        deadline = time.monotonic() + 5.0
-        while any(t.name == "deadpool-abort-g0" for t in threading.enumerate()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not any(t.name == "deadpool-abort-g0" for t in threading.enumerate())
+        ours.join(5.0)
+        assert not ours.is_alive()
         assert aborts == [] and not watch.aborted()
 
 
