@@ -52,7 +52,7 @@ class StepLoop:
         self.step_ends: dict[int, float] = {}  # `auto`: when each recent step ended (cadence.py)
         self.snapshotted: set[int] = set()     # `auto`: the recent steps after which a snapshot was taken
         self.logged_loss: Any = None  # the last loss= the script gave session.log in this step
-        self.recent: list[tuple[float, float]] = []  # the last steps' (wait for a snapshot slot, whole duration)
+        self.recent: list[tuple[float, float]] = []  # the last steps' (wait for the snapshot engine, duration)
         self.told_behind = False  # the user was told that snapshots slow training (once per process)
         self.inputs = InputFingerprints()  # what the model was fed, step by step: a replay must be fed the same
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
