@@ -56,6 +56,14 @@ def timed(name: str, run: Callable[[], object], repeats: int, nbytes: int) -> di
     return {"best_s": min(times), "median_s": statistics.median(times), "gbps": nbytes / min(times) / 1e9}
 
 
+def copy_to_host(slot: torch.Tensor, sources: list, side: torch.cuda.Stream) -> None:
+    """The GPU tensors into their places in the pinned slot, queued at once on `side`, then synchronized."""
+    with torch.cuda.stream(side):
+        for source, offset, end in sources:
+            slot[offset:end].copy_(source, non_blocking=True)
+    side.synchronize()
+
+
 def hash_blocks(raw: memoryview, threads: int, pool: ThreadPoolExecutor) -> list[int]:
     block = -(-len(raw) // threads)
     parts = [raw[i: i + block] for i in range(0, len(raw), block)]
@@ -134,10 +142,7 @@ def interference(slot: torch.Tensor, sources: list, side: torch.cuda.Stream, ste
         return (time.perf_counter() - start) / done
 
     def d2h() -> None:
-        with torch.cuda.stream(side):
-            for source, offset, end in sources:
-                slot[offset:end].copy_(source, non_blocking=True)
-        side.synchronize()
+        copy_to_host(slot, sources, side)
 
     def hash_1() -> None:
         new_hasher().update(slot.numpy().data)
@@ -197,10 +202,7 @@ def main() -> None:
         side = torch.cuda.Stream()
 
         def d2h() -> None:
-            with torch.cuda.stream(side):
-                for source, offset, end in sources:
-                    slot[offset:end].copy_(source, non_blocking=True)
-            side.synchronize()
+            copy_to_host(slot, sources, side)
 
         def serial() -> int:
             d2h()
