@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from deadpool.disk.chunks import private_key
 from deadpool.disk.manifest import (
+    FORMAT,
     FORMATS,
     MANIFEST,
     METADATA,
@@ -46,7 +47,6 @@ from deadpool.disk.manifest import (
     Identity,
     file_entry,
     files_reason,
-    format_for,
     fsync_dir,
     listing,
     read_json,
@@ -79,13 +79,13 @@ def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Iden
         for extra in {p.name for p in tmp.glob("part-*")} - set(records):
             shutil.rmtree(tmp / extra, ignore_errors=True)
         tables = {r: records[owners[r]]["ranks"][str(r)] for r in sorted(owners)}
-        sliced = _sliced(tables)
+        _check_slices(tables)
         write_durably(tmp / METADATA, pickle.dumps(merge(tmp, owners, records)))
         files = {f"{name}/{f}": entry for name, record in records.items() for f, entry in record["files"].items()}
         files.update({f"{name}/{PART_JSON}": file_entry(tmp / name / PART_JSON) for name in records})
         files[METADATA] = file_entry(tmp / METADATA)
         ranks = {str(r): {"part": owners[r], **{k: t[k] for k in RANK_KEYS if k in t}} for r, t in tables.items()}
-        manifest = {"format": format_for(sliced), "step": step, "world_size": world_size,
+        manifest = {"format": FORMAT, "step": step, "world_size": world_size,
                     "identity": identity.to_json(), "ranks": ranks, "files": files, "created": time.time()}
         write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         for name in records:
@@ -101,16 +101,15 @@ def finalize(root: str | os.PathLike, step: int, world_size: int, identity: Iden
     return final
 
 
-RANK_KEYS = ("crc", "nbytes", "meta_bytes", "slice", "lead", "slice_hash")  # what read_rank needs, per rank
+RANK_KEYS = ("crc", "hash", "nbytes", "meta_bytes", "slice", "lead", "slice_hash")  # what read_rank needs, per rank
 
 
-def _sliced(tables: dict[int, dict[str, Any]]) -> bool:
-    """Whether the ranks hold slices (then their pieces must make the lead region exactly once, by their byte
-    ranges: every row of every stable tensor written by one rank); CheckpointError if only some of them do,
-    or the pieces overlap or leave a gap."""
+def _check_slices(tables: dict[int, dict[str, Any]]) -> None:
+    """Ranks that hold slices must all do, and their pieces must make the lead region exactly once, by their
+    byte ranges (every row of every stable tensor written by one rank); CheckpointError if not."""
     pieces = sorted((tuple(t["slice"]), t["lead"], r) for r, t in tables.items() if "slice" in t)
     if not pieces:
-        return False
+        return
     whole = sorted(set(tables) - {r for _, _, r in pieces})
     if whole:
         raise CheckpointError(f"ranks {whole} wrote whole snapshots and the others slices of the replicated state: "
@@ -123,7 +122,6 @@ def _sliced(tables: dict[int, dict[str, Any]]) -> bool:
         end = stop
     if end != lead:
         raise CheckpointError(f"the slices cover bytes 0-{end} of the {lead}-byte replicated state only")
-    return True
 
 
 def _parts_identity(tmp: Path, step: int) -> Identity | None:

@@ -14,7 +14,8 @@ import xxhash
 
 from deadpool.disk.chunks import stable_shapes
 
-FORMATS = (1, 2)  # of manifest.json and part.json, read here: 1 whole snapshots and shards, 2 slices too (format_for)
+FORMAT = 3  # of manifest.json and part.json, as written: each rank's checksum names its hash (digest.hash_name)
+FORMATS = (1, 2, 3)  # read here: 1 whole snapshots and shards, 2 slices too, both checksummed with plain xxh3_64
 MANIFEST = "manifest.json"
 PART_JSON = "part.json"
 METADATA = ".metadata"  # DCP's own name for its metadata file (torch's filesystem.py)
@@ -109,12 +110,6 @@ def shapes_misfit(manifest: dict[str, Any], shapes: dict[str, list[int]]) -> str
 def _few(names: list[str]) -> str:
     shown = ", ".join(names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def format_for(sliced: bool) -> int:
-    """The format a part or checkpoint is written in: 2 only when it holds slices, so that a reader that
-    predates them refuses it by its format (and a checkpoint of whole snapshots stays readable by all)."""
-    return 2 if sliced else 1
 
 
 def bytes_hash(data: memoryview) -> str:

@@ -28,6 +28,7 @@ from deadpool.disk.manifest import (
     read_json,
 )
 from deadpool.errors import CheckpointError
+from deadpool.runtime.digest import hasher_named
 from deadpool.runtime.slots import checksum
 from deadpool.runtime.state import Layout
 
@@ -61,7 +62,7 @@ def _checked(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     if manifest is None:
         return None, f"{MANIFEST} is not readable JSON"
     if manifest.get("format") not in FORMATS:
-        readable = " and ".join(map(str, FORMATS))
+        readable = ", ".join(map(str, FORMATS[:-1])) + f" and {FORMATS[-1]}"
         return None, f"{MANIFEST} has format {manifest.get('format')!r}, this DeadPool reads {readable}"
     try:
         if METADATA not in manifest["files"]:
@@ -94,7 +95,11 @@ def read_rank(path: str | os.PathLike, rank: int) -> tuple[bytes, torch.Tensor]:
              for i, (dtype, shape, offset, n) in enumerate(parsed["tensors"]) if n}
     if views:
         dcp.load(views, checkpoint_id=path, no_dist=True)
-    if checksum(meta, buffer) != entry["crc"]:
+    try:  # checkpoints from before the blocked hash name none: plain xxh3_64
+        hasher = hasher_named(entry.get("hash", "xxh3_64"))
+    except ValueError as error:
+        raise CheckpointError(f"rank {rank}'s snapshot in {path} cannot be checked: {error}") from None
+    if checksum(meta, buffer, hasher=hasher) != entry["crc"]:
         raise CheckpointError(f"rank {rank}'s snapshot read from {path} does not match the checksum of the slot "
                               "it was written from")
     if not where:

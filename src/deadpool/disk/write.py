@@ -24,19 +24,20 @@ import torch.distributed.checkpoint as dcp
 
 from deadpool.disk.chunks import RankChunks, chunk_rank, meta_key
 from deadpool.disk.manifest import (
+    FORMAT,
     FORMATS,
     PART_JSON,
     Identity,
     bytes_hash,
     file_entry,
     files_reason,
-    format_for,
     fsync_dir,
     read_json,
     step_dir,
     tmp_dir,
     write_durably,
 )
+from deadpool.runtime.digest import hash_name
 from deadpool.runtime.slots import Slot
 
 
@@ -67,8 +68,7 @@ def write_part(root: str | os.PathLike, step: int, writer: str, snapshots: Mappi
         table[str(rank)] = _rank_table(chunks, slot)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(part, thread_count=thread_count), no_dist=True)
     files = {name: file_entry(part / name) for name in sorted(os.listdir(part))}
-    sliced = any("slice" in rank for rank in table.values())
-    record = {"format": format_for(sliced), "step": step, "writer": writer, "identity": identity.to_json(),
+    record = {"format": FORMAT, "step": step, "writer": writer, "identity": identity.to_json(),
               "ranks": table, "files": files}
     write_durably(part / PART_JSON, json.dumps(record).encode())
     return part
@@ -105,7 +105,8 @@ def _rank_table(chunks: RankChunks, slot: Slot) -> dict[str, Any]:
     snapshots rebuilt from the checkpoint (read.py)."""
     meta = json.loads(slot.meta)
     specs = meta["tensors"]
-    table = {"crc": slot.digest, "nbytes": slot.nbytes, "meta": meta_key(chunks.rank), "meta_bytes": len(slot.meta),
+    table = {"crc": slot.digest, "hash": hash_name(), "nbytes": slot.nbytes, "meta": meta_key(chunks.rank),
+             "meta_bytes": len(slot.meta),
              "chunks": {c.key: {"fqn": c.fqn, "paths": [list(p) for p in c.paths], "shape": list(c.global_shape),
                                 "offsets": list(c.offsets), "dtype": str(c.tensor.dtype).removeprefix("torch."),
                                 **({"sliced": True} if c.sliced else {})}

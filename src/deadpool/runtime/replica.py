@@ -28,7 +28,7 @@ from deadpool.errors import ChecksumMismatch, ProtocolError
 from deadpool.protocol.keys import Keys
 from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.records import Handover
-from deadpool.runtime.digest import CHUNK, Digest
+from deadpool.runtime.digest import CHUNK, Digest, new_hasher
 from deadpool.runtime.slots import Slot, pick_slot
 from deadpool.runtime.stream import Stream, join, offer
 
@@ -95,8 +95,8 @@ class ReplicaReceiver:
         meta_bytes = frame[HEADER.size:]
         ranges = _held(spans, nbytes, step)
         slot = self.writing = pick_slot(self.slots, None if replaced < 0 else replaced, committed)
-        data, hashing = slot.reserve(nbytes), Digest()
-        for start, end in ranges:  # hashed chunk by chunk as it lands: one pass over the bytes, from cache
+        data, hashing = slot.reserve(nbytes), Digest(hasher=new_hasher(parallel=True))
+        for start, end in ranges:  # hashed chunk by chunk as it lands (on hash threads: the receive goes on)
             self.stream.recv_bytes(data[start:end], hashing.update, CHUNK)
         got = hashing.finish(meta_bytes)[1]
         ok = int(got == digest)

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from deadpool.runtime.digest import Digest
+from deadpool.runtime.digest import Digest, Hasher, new_hasher
 from deadpool.runtime.slices import held
 from deadpool.runtime.state import Layout
 
@@ -31,11 +31,12 @@ def _held_of(meta: bytes, nbytes: int) -> tuple[tuple[int, int], ...]:
     return tuple(held_ranges(json.loads(meta), nbytes))
 
 
-def checksum(meta: bytes, data: torch.Tensor, ranges: Sequence[tuple[int, int]] | None = None) -> int:
-    """The hash (digest.py) of the bytes the snapshot holds (`ranges`, else held_ranges of its metadata),
-    then the metadata: what a snapshot is sealed with, one pass over bytes already in a slot (the hash
-    releases the GIL on large buffers)."""
-    digest = Digest()
+def checksum(meta: bytes, data: torch.Tensor, ranges: Sequence[tuple[int, int]] | None = None,
+             hasher: Hasher | None = None) -> int:
+    """The hash (digest.py; `hasher`: another one, as a checkpoint names it) of the bytes the snapshot holds
+    (`ranges`, else held_ranges of its metadata), then the metadata: what a snapshot is sealed with, one
+    pass over bytes already in a slot, on the process's hash threads where it has them."""
+    digest = Digest(hasher=hasher or new_hasher(parallel=True))
     raw = data.numpy().data
     for start, end in held_ranges(meta, data.numel()) if ranges is None else ranges:
         digest.update(raw[start:end])

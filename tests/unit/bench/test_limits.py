@@ -108,4 +108,4 @@ def test_bandwidths_are_measured_on_one_thread_and_the_thread_count_restored():
     assert torch.get_num_threads() == threads
     assert min(measured.memcpy, measured.hash, measured.crc32, measured.copy_and_hash, measured.loopback,
                measured.loopback_cpu) > 0
-    assert measured.hash_name == "xxh3_64" and "xxh3_64" in measured.line()
+    assert measured.hash_name == "xxh3_64/1MiB" and "xxh3_64/1MiB" in measured.line()

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from deadpool.disk import Identity, chunk_rank, finalize, newest, private_key, read_rank, verify, write_part
 from deadpool.errors import CheckpointError
+from deadpool.runtime.digest import Xxh3
 from deadpool.runtime.persist import load_from_disk
 from deadpool.runtime.slots import Slot, checksum
 from deadpool.runtime.state import flatten, load_into, state_sha256, unflatten
@@ -87,7 +88,7 @@ def test_round_trip_loads_whole_tensors_and_gives_each_rank_its_whole_snapshot(t
     path = write_all(tmp_path, slots)
     assert verify(path) is None
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format"] == 2 and [manifest["ranks"][str(r)]["slice"] for r in range(world)] == \
+    assert manifest["format"] == 3 and [manifest["ranks"][str(r)]["slice"] for r in range(world)] == \
         [json.loads(s.meta)["slice"] for s in slots]
     model = Tiny()
     for t in model.state_dict().values():
@@ -184,6 +185,25 @@ def test_a_corrupted_slice_is_refused_by_verify_and_by_every_rank_that_rebuilds_
         read_rank(path, 1)
 
 
+def test_a_checkpoint_from_before_the_blocked_hash_still_reads_and_one_naming_an_unknown_hash_is_refused(tmp_path):
+    """Formats 1 and 2 checked each rank's slot with plain streaming xxh3_64 and did not name it."""
+    slots, _, _ = sliced_slots(world=2)
+    path = write_all(tmp_path, slots)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert all(entry["hash"] == "xxh3_64/1MiB" for entry in manifest["ranks"].values())
+    old = {**manifest, "format": 2, "ranks": {r: {k: v for k, v in entry.items() if k != "hash"}
+                                              for r, entry in manifest["ranks"].items()}}
+    for rank, slot in enumerate(slots):
+        old["ranks"][str(rank)]["crc"] = checksum(slot.meta, slot.data, hasher=Xxh3())
+    (path / "manifest.json").write_text(json.dumps(old))
+    assert verify(path) is None
+    assert [read_rank(path, r)[1].numel() for r in range(2)] == [s.nbytes for s in slots]
+    old["ranks"]["1"]["hash"] = "sha7"
+    (path / "manifest.json").write_text(json.dumps(old))
+    with pytest.raises(CheckpointError, match="rank 1's snapshot in .* cannot be checked: hash 'sha7' is unknown"):
+        read_rank(path, 1)
+
+
 def test_slices_that_overlap_or_leave_a_gap_or_mix_with_whole_snapshots_are_not_finalized(tmp_path):
     slots, wholes, trees = sliced_slots(world=3)
     twice = slice_of(flatten(trees[1]), 7, 0, 3)[0]  # rank 1 holding rank 0's piece
@@ -211,13 +231,13 @@ def test_empty_pieces_write_nothing_and_still_round_trip(tmp_path):
         assert meta == whole.meta and torch.equal(buffer, whole.data)
 
 
-def test_a_checkpoint_written_sliced_fits_a_job_that_does_not_slice_and_whole_ones_keep_format_1(tmp_path):
+def test_a_checkpoint_written_sliced_fits_a_job_that_does_not_slice_and_an_unknown_format_is_refused(tmp_path):
     slots, wholes, _ = sliced_slots(world=2)
     assert Identity.of(slots[1].meta, 2, "cfg") == Identity.of(wholes[0].meta, 2, "cfg")
     sliced = write_all(tmp_path / "s", slots)
     assert newest(tmp_path / "s", Identity.of(wholes[1].meta, 2, "cfg"))[0] == sliced
     whole = write_all(tmp_path / "w", wholes)
-    assert json.loads((whole / "manifest.json").read_text())["format"] == 1
+    assert json.loads((whole / "manifest.json").read_text())["format"] == 3
     manifest = json.loads((sliced / "manifest.json").read_text())
-    (sliced / "manifest.json").write_text(json.dumps({**manifest, "format": 3}))
-    assert verify(sliced) == "manifest.json has format 3, this DeadPool reads 1 and 2"
+    (sliced / "manifest.json").write_text(json.dumps({**manifest, "format": 4}))
+    assert verify(sliced) == "manifest.json has format 4, this DeadPool reads 1, 2 and 3"

@@ -1,13 +1,17 @@
-"""Tests for deadpool/runtime/digest.py: the copy and its hash in one pass, the lead fingerprint, int64 values."""
+"""Tests for deadpool/runtime/digest.py: the blocked hash, the copy and its hash in one pass, the lead
+fingerprint, int64 values."""
 
+import random
+import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import xxhash
 
 from deadpool.runtime import digest as digest_module
-from deadpool.runtime.digest import Crc32, Digest, copy_hashed, int64, new_hasher
+from deadpool.runtime.digest import BLOCK, Blocked, Crc32, Digest, Xxh3, copy_hashed, hasher_named, int64, new_hasher
 from deadpool.runtime.pieces import sources
 from deadpool.runtime.slices import held
 from deadpool.runtime.slots import Slot, checksum
@@ -32,9 +36,59 @@ def rank_state(private: int):
     return [params[0], torch.full((5,), float(private)), params[1]], [True, False, True]
 
 
+def blocked(data: bytes, block: int = BLOCK) -> int:
+    """The blocked hash written out: xxh3_64 of the little-endian xxh3_64 of each block (the last one short)."""
+    inner = [xxhash.xxh3_64_intdigest(data[i: i + block]) for i in range(0, len(data), block)]
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(inner)}Q", *inner))
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(digest_module, "CHUNK", 256)  # many chunks, and chunks that straddle tensors
+    monkeypatch.setattr(digest_module, "BLOCK", 96)  # blocks that straddle chunks and tensors
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_blocked_hash_is_the_same_however_the_stream_is_cut_and_on_however_many_threads(monkeypatch, threads):
+    monkeypatch.setattr(digest_module, "BLOCK", 64)
+    data = random.Random(threads).randbytes(64 * 40 + 17)
+    cuts = sorted(random.Random(1).sample(range(1, len(data)), 25)) + [len(data)]
+    with ThreadPoolExecutor(threads) as pool:
+        hasher = Blocked(pool if threads > 1 else None, threads)
+        start = 0
+        for end in cuts:
+            hasher.update(memoryview(data)[start:end])
+            start = end
+        assert hasher.intdigest() == blocked(data, 64)
+
+
+def test_a_mark_keeps_the_digest_of_the_stream_so_far(monkeypatch):
+    monkeypatch.setattr(digest_module, "BLOCK", 64)
+    data = bytes(range(200)) * 3
+    hasher = Blocked()
+    hasher.update(data[:150])
+    so_far = hasher.mark()
+    hasher.update(data[150:])
+    assert (so_far(), hasher.intdigest()) == (blocked(data[:150], 64), blocked(data, 64))
+
+
+def test_hash_threads_are_a_quarter_of_the_cores_and_none_on_a_small_machine(monkeypatch):
+    make = digest_module.hash_pool.__wrapped__  # the process's pool is made once: call the function itself
+    for cores, threads in ((2, None), (7, None), (8, 2), (16, 4), (128, 8)):
+        monkeypatch.setattr(digest_module.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        made = make()
+        assert (None if made is None else made[1]) == threads
+        if made is not None:
+            made[0].shutdown()
+
+
+def test_a_checkpoint_may_name_the_plain_xxh3_of_before_and_an_unknown_hash_is_refused():
+    plain = hasher_named("xxh3_64")
+    plain.update(b"abc")
+    assert isinstance(plain, Xxh3) and plain.intdigest() == xxhash.xxh3_64_intdigest(b"abc")
+    assert isinstance(hasher_named(digest_module.hash_name()), Blocked)
+    with pytest.raises(ValueError, match="'sha7' is unknown to this DeadPool"):
+        hasher_named("sha7")
 
 
 def test_one_pass_equals_the_hash_of_the_whole_bytes(small_chunks):
@@ -43,8 +97,8 @@ def test_one_pass_equals_the_hash_of_the_whole_bytes(small_chunks):
     buffer = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8)  # padding outside the lead: as it is
     fingerprint, whole = copy(sources, buffer, layout).finish(b"{}")
     raw = buffer.numpy().tobytes()
-    assert whole == int64(xxhash.xxh3_64_intdigest(raw + b"{}")) == checksum(b"{}", buffer)
-    assert fingerprint == int64(xxhash.xxh3_64_intdigest(raw[:layout.lead_nbytes]))
+    assert whole == int64(blocked(raw + b"{}", 96)) == checksum(b"{}", buffer)
+    assert fingerprint == int64(blocked(raw[:layout.lead_nbytes], 96))
     for tensor, (_, _, offset, n) in zip(tensors, layout.specs):
         assert buffer[offset: offset + n].numpy().tobytes() == tensor.numpy().tobytes()
 
@@ -86,8 +140,7 @@ def test_the_lead_region_may_end_inside_a_piece():
     digest = Digest(lead_nbytes=300)
     digest.update(data[:100])
     digest.update(data[100:])
-    assert digest.finish(b"x") == (int64(xxhash.xxh3_64_intdigest(data[:300])),
-                                   int64(xxhash.xxh3_64_intdigest(data.tobytes() + b"x")))
+    assert digest.finish(b"x") == (int64(blocked(data[:300].tobytes())), int64(blocked(data.tobytes() + b"x")))
 
 
 def test_crc32_fallback_streams_like_zlib():
@@ -98,7 +151,7 @@ def test_crc32_fallback_streams_like_zlib():
 
 
 def test_the_hasher_is_xxh3_when_installed_and_crc32_without(monkeypatch):
-    assert isinstance(new_hasher(), type(xxhash.xxh3_64()))
+    assert isinstance(new_hasher(), Blocked) and digest_module.hash_name() == "xxh3_64/1MiB"
     monkeypatch.setattr(digest_module, "xxhash", None)
     assert isinstance(new_hasher(), Crc32) and digest_module.hash_name() == "crc32"
 

@@ -4,6 +4,7 @@ the byte ranges it holds, and the holder checks it over exactly those."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from tests.plane import control_plane
 from deadpool.config import JobConfig
 from deadpool.protocol.plane import ControlPlane
 from deadpool.protocol.secret import read_secret
+from deadpool.runtime import digest, replica
 from deadpool.runtime.context import connect
 from deadpool.runtime.pieces import copy_in, piece_of
 from deadpool.runtime.replica import ReplicaReceiver, ReplicaSender
@@ -77,6 +79,23 @@ def test_a_sliced_snapshot_crosses_as_its_piece_and_private_state(tmp_path):
     assert torch.equal(got.data[layout.lead_nbytes:], slot.data[layout.lead_nbytes:])
     outside = torch.cat([got.data[:start], got.data[end: layout.lead_nbytes]])
     assert outside.numel() and bool((outside == 0xEE).all())  # the other ranks' pieces never crossed
+
+
+def test_a_holder_hashing_on_threads_as_bytes_land_agrees_with_its_sender_hashing_inline(tmp_path, monkeypatch):
+    """Where a holder has hash threads (a GPU host's cores), each landed chunk's blocks are hashed there while
+    the receive goes on; the value must be the sender's, computed in its copy without threads."""
+    monkeypatch.setattr(digest, "BLOCK", 64)  # blocks that straddle the chunks and the held ranges
+    monkeypatch.setattr(replica, "CHUNK", 200)
+    slot, _ = sliced_slot(rank=0, world=2)
+    with ThreadPoolExecutor(3) as pool, control_plane(tmp_path) as (_, plane):
+        monkeypatch.setattr(digest, "hash_pool", lambda: (pool, 3))
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        received: list[Slot] = []
+        holder = receiving(config, "pair/", [Slot(), Slot()], 1, received)
+        sender(config).send(slot)
+        holder.join(20)
+        [got] = received
+        assert got.digest == slot.digest and got.intact()
 
 
 def test_streams_opened_at_once_from_several_threads_each_arrive_whole(tmp_path):
