@@ -36,6 +36,7 @@ from deadpool.bench.limits import measure_bandwidths
 from deadpool.config import Fault, JobConfig
 from deadpool.events import read_events
 from deadpool.launcher.launch import launch
+from deadpool.runtime.digest import hash_pool
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "train.py"
 SMALL = ["--n-layer", "4", "--n-head", "4", "--n-embd", "256", "--block-size", "128", "--batch-size", "16"]
@@ -118,11 +119,11 @@ def machine(nbytes: int) -> dict[str, Any]:
     """This machine's own ceilings: one-core memcpy, hash and loopback TCP (bench/limits.py, as `deadpool
     bench overhead` prints them), and one device-to-host copy of `nbytes` into pinned and into pageable
     memory (best of 3)."""
-    rates = measure_bandwidths()
+    rates, pool = measure_bandwidths(), hash_pool()
     source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     result = {"memcpy_gbps": rates.memcpy / 1e9, "hash_gbps": rates.hash / 1e9, "hash": rates.hash_name,
               "copy_and_hash_gbps": rates.copy_and_hash / 1e9, "loopback_gbps": rates.loopback / 1e9,
-              "cores": rates.cores}
+              "cores": rates.cores, "hash_threads": pool[1] if pool else 0}
     for kind, target in (("pinned", torch.empty(nbytes, dtype=torch.uint8).pin_memory()),
                          ("pageable", torch.empty(nbytes, dtype=torch.uint8))):
         target.fill_(0)  # pages touched before the copies
