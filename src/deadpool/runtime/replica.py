@@ -12,7 +12,7 @@ proves the job's secret):
           (slots.held_ranges: a data-parallel piece and the private state, or all of it)
                                              <-  ack frame [step, digest, ok]  (recomputed by the holder)
 
-The digest (runtime/digest.py: xxh3_64, or CRC-32 without xxhash) travels as a signed int64, in a frame
+The digest (runtime/digest.py: blocked xxh3_64, or CRC-32 without xxhash) travels as a signed int64, in a frame
 whose MAC proves it came from the job; the data, which it covers, travels raw. The header carries what
 the holder needs before the data, so it neither parses the metadata (tens of kB of JSON for a real model)
 nor asks the store which step is committed: `replaced` is the step the sender's own slot held before
