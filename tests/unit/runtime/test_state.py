@@ -259,3 +259,30 @@ def test_layout_places_lead_tensors_first_and_keeps_their_index():
 
 def test_layout_without_lead_has_an_empty_lead_region():
     assert Layout.of([torch.zeros(3)]).lead_nbytes == 0
+
+
+def test_flatten_leaves_the_cyclic_collector_as_it_found_it():
+    """flatten pauses the collector while it walks (state._collector_paused), and must not turn it on for a
+    script that keeps it off, nor leave it off for one that does not, not even when the walk fails."""
+    import gc
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            flatten(make_tree())
+            assert gc.isenabled() is enabled
+            with pytest.raises(ConfigError):
+                flatten({"box": Box({"when": object()})})
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_layout_follows_a_change_of_shape():
+    """Layouts are remembered per shape of the state: a tensor that grows (the optimizer's state appears
+    after the first step) gets a new layout, and the old shapes their old one."""
+    small, grown = [torch.zeros(3), torch.zeros(2)], [torch.zeros(3), torch.zeros(20)]
+    assert Layout.of(small).specs == (("float32", (3,), 0, 12), ("float32", (2,), 64, 8))
+    assert Layout.of(grown).specs == (("float32", (3,), 0, 12), ("float32", (20,), 64, 80))
+    assert Layout.of(grown, lead=[False, True]).specs == (("float32", (3,), 128, 12), ("float32", (20,), 0, 80))
+    assert Layout.of(small).nbytes == 128 and Layout.of(grown, lead=[False, True]).lead_nbytes == 128
