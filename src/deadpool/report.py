@@ -68,11 +68,12 @@ def _recovery(events: list[dict[str, Any]], done: dict[str, Any]) -> dict[str, A
     }
 
 
-def replica_memory(events: list[dict[str, Any]]) -> dict[str, int]:
-    """Holder -> host bytes of the replicas it holds under the last plan (two slots per held rank)."""
+def replica_memory(events: list[dict[str, Any]], field: str = "bytes") -> dict[str, int]:
+    """Holder -> host bytes of the replicas it holds under the last plan (two slots per held rank): of its
+    own (`bytes`), or mapped from its senders on the same machine (`mapped`: runtime/arena.py)."""
     plans = [e for e in events if e["event"] == "plan_published"] or [{}]
     holds = {(holder, rank) for rank, holders in enumerate(plans[-1].get("holders", [])) for holder in holders}
-    latest = {(e["proc"], e["of_rank"]): e["bytes"] for e in events if e["event"] == "replica_memory"}
+    latest = {(e["proc"], e["of_rank"]): e.get(field, 0) for e in events if e["event"] == "replica_memory"}
     memory: dict[str, int] = {}
     for (holder, rank), nbytes in latest.items():
         if (holder, rank) in holds:
@@ -87,24 +88,28 @@ def host_memory(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
     `replica_held_bytes`: of the replicas' arenas, the bytes written (2 x what the holder was sent: under
     slices a piece and the private state). Only those are ever touched, so only those become resident:
-    the rest of an unpinned arena stays address space (docs/benchmarks.md, "Host memory per process")."""
+    the rest of an unpinned arena stays address space (docs/benchmarks.md, "Host memory per process").
+    `replica_mapped_bytes`: the senders' arenas a holder on their machine maps instead (runtime/arena.py):
+    memory its senders' `slots_bytes` already count."""
     slots: dict[str, int] = {}
-    held: dict[str, dict[int, tuple[int, int]]] = {}  # holder -> rank -> (arena bytes, bytes written)
+    held: dict[str, dict[int, tuple[int, int, int]]] = {}  # holder -> rank -> (arena bytes, written, mapped)
     peak: dict[str, dict[str, Any]] = {}
     for e in events:
         if e["event"] == "slot_memory":
             slots[e["proc"]] = e["bytes"]
         elif e["event"] == "replica_memory":
-            held.setdefault(e["proc"], {})[e["of_rank"]] = (e["bytes"], 2 * e["held"] if "held" in e else e["bytes"])
+            held.setdefault(e["proc"], {})[e["of_rank"]] = (e["bytes"], 2 * e["held"] if "held" in e else e["bytes"],
+                                                            e.get("mapped", 0))
         else:
             continue
         proc = e["proc"]
         replicas = held.get(proc, {}).values()
-        now = {"slots_bytes": slots.get(proc, 0), "replica_bytes": sum(a for a, _ in replicas)}
+        now = {"slots_bytes": slots.get(proc, 0), "replica_bytes": sum(a for a, _, _ in replicas)}
         mine = peak.setdefault(proc, {"slots_bytes": 0, "replica_bytes": 0, "total_bytes": 0,
-                                      "replica_held_bytes": 0, "pinned": False})
+                                      "replica_held_bytes": 0, "replica_mapped_bytes": 0, "pinned": False})
         for key, nbytes in (*now.items(), ("total_bytes", sum(now.values())),
-                            ("replica_held_bytes", sum(w for _, w in replicas))):
+                            ("replica_held_bytes", sum(w for _, w, _ in replicas)),
+                            ("replica_mapped_bytes", sum(m for _, _, m in replicas))):
             mine[key] = max(mine[key], nbytes)
         mine["pinned"] = mine["pinned"] or e.get("pinned", False)
     return dict(sorted(peak.items()))
@@ -164,6 +169,7 @@ def summarize(path: Path, exit_code: int, faults: tuple[Fault, ...] = ()) -> dic
         "rank_state_sha256": hashes,
         "losses": {str(r): [steps[s] for s in sorted(steps)] for r, steps in sorted(losses.items())},
         "replica_memory_bytes": replica_memory(events),
+        "replica_mapped_bytes": replica_memory(events, "mapped"),
         "memory": host_memory(events),
         "snapshot_intervals": snapshot_intervals(events),
         "faults_not_fired": unfired_faults(faults, events),

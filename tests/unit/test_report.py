@@ -124,8 +124,8 @@ def test_clean_run(tmp_path):
         "exit_code": 0, "error": None, "swaps": 0, "recoveries": [], "steps_replayed": 0, "final_step": 3,
         "final_loss": 3.25, "final_state_sha256": hashlib.sha256(b"a0b1").hexdigest(),
         "rank_state_sha256": ["a0", "b1"],
-        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {}, "memory": {},
-        "snapshot_intervals": [], "pool_refills": [],
+        "losses": {"0": [4.0, 3.5, 3.25], "1": [5.0, 4.5, 4.25]}, "replica_memory_bytes": {},
+        "replica_mapped_bytes": {}, "memory": {}, "snapshot_intervals": [], "pool_refills": [],
         "faults_not_fired": [], "checkpoints": [], "persist_failures": [], "resumed_from": None, "stopped_by": None,
     }
 
@@ -179,10 +179,16 @@ def test_memory_is_each_processes_peak_of_its_own_slots_and_the_replicas_it_hold
         ev("replica_memory", 1.625, 0, proc="s0", of_rank=0, bytes=60, pinned=False),
         ev("replica_memory", 2.0, 1, proc="s0", of_rank=0, bytes=0, pinned=False),  # dropped: it took rank 0
         ev("slot_memory", 2.5, 1, 0, proc="s0", bytes=60, slots=2, pinned=True),
+        # w1, on s0's machine, holds rank 0 now: it maps s0's two slots and allocates nothing of its own
+        ev("replica_memory", 2.75, 1, proc="w1", of_rank=0, bytes=0, mapped=60, held=0, pinned=False),
     ])
     assert summarize(path, exit_code=0)["memory"] == {
-        "s0": {"slots_bytes": 60, "replica_bytes": 120, "total_bytes": 120, "replica_held_bytes": 96, "pinned": True},
-        "w0": {"slots_bytes": 60, "replica_bytes": 0, "total_bytes": 60, "replica_held_bytes": 0, "pinned": False}}
+        "s0": {"slots_bytes": 60, "replica_bytes": 120, "total_bytes": 120, "replica_held_bytes": 96,
+               "replica_mapped_bytes": 0, "pinned": True},
+        "w0": {"slots_bytes": 60, "replica_bytes": 0, "total_bytes": 60, "replica_held_bytes": 0,
+               "replica_mapped_bytes": 0, "pinned": False},
+        "w1": {"slots_bytes": 0, "replica_bytes": 0, "total_bytes": 0, "replica_held_bytes": 0,
+               "replica_mapped_bytes": 60, "pinned": False}}
 
 
 def test_auto_reports_each_agreed_interval_and_the_replay_it_implies(tmp_path):

@@ -2,7 +2,8 @@
 
 A snapshot every step moves, per step and all ranks together: `copied` bytes into the slots (each rank's
 snapshot once: under slices its piece of the replicated state and its own state), `sent` bytes to the holders
-(that x holders), `hashed` bytes (the sender hashes what it copies, each holder what it receives, and under
+(that x holders, but none to a holder on the same machine, which maps the sender's slot: runtime/arena.py),
+`hashed` bytes (the sender hashes what it copies, each holder what it receives, and under
 slices every rank but one also hashes one other piece in place, the divergence check's audit: copied + sent
 + audited). The lower bound on what that costs a step is its CPU
 time at this machine's one-core bandwidths, spread over every core (training keeps them all busy, so the
@@ -116,7 +117,9 @@ def traffic(events: list[dict[str, Any]], first_step: int, last_step: int) -> Tr
     snapshots = [e for e in events if e["event"] == "snapshot" and first_step - 1 <= e["step"] < last_step]
     steps = last_step - first_step + 1
     copied = sum(e.get("held", e["bytes"]) for e in snapshots) / steps  # sliced: a rank's piece and its own state
-    sent = sum(e.get("held", e["bytes"]) * len(e["holders"]) for e in snapshots) / steps
+    # what crossed a stream (a holder on the same machine maps the sender's arena: nothing is sent or hashed
+    # again); events from before `sent` was recorded streamed every held byte to every holder
+    sent = sum(e.get("sent", e.get("held", e["bytes"]) * len(e["holders"])) for e in snapshots) / steps
     audited = sum(e.get("audited", 0) for e in snapshots) / steps  # sliced: another piece, hashed in place
     name = snapshots[0].get("hash", "crc32") if snapshots else hash_name()
     return Traffic(copied=copied, hashed=copied + sent + audited, sent=sent, hash_name=name)

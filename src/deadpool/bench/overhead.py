@@ -176,11 +176,11 @@ PROCESS_BYTES = 300 * 2**20  # a worker's or spare's own memory besides the trai
 
 def deadpool_memory(params: int, ranks: int, spares: int) -> int:
     """Host memory of a DeadPool run with snapshots, roughly (fp32, AdamW): per rank the live parameters,
-    gradients and two moments (16 B per parameter) and two snapshot slots (2 x 12 B); the spares together
-    hold two slots of every rank. 50M x 4 ranks + 1 spare: 14.3 GB estimated, 14.5 GB measured (PSS)."""
+    gradients and two moments (16 B per parameter) and two snapshot slots (2 x 12 B); the spares, on the
+    same machine, map those slots (runtime/arena.py) instead of holding copies. 50M x 4 ranks + 1 spare:
+    14.3 GB estimated and 14.5 GB measured (PSS) when the spare held copies (2.4 GB of them)."""
     snapshot = 12 * params
-    held = 2 * ranks * snapshot if spares else 0
-    return ranks * (16 * params + 2 * snapshot) + held + (ranks + spares) * PROCESS_BYTES
+    return ranks * (16 * params + 2 * snapshot) + (ranks + spares) * PROCESS_BYTES
 
 
 def available_memory() -> int:

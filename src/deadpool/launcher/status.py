@@ -53,13 +53,15 @@ def _file_status(run_dir: Path) -> JobStatus:
         raise ConfigError(f"{path}: {error}") from None
 
 
-def host_memory(run_dir: Path) -> dict[str, int]:
-    """Holder -> host bytes of the replicas it holds, from the holders' own replica_memory events."""
-    events = Path(run_dir) / "events.jsonl"
-    return replica_memory(list(read_events(events))) if events.exists() else {}
+def host_memory(run_dir: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """Holder -> host bytes of the replicas it holds, of its own and mapped from its senders' slots on the
+    same machine, from the holders' own replica_memory events."""
+    path = Path(run_dir) / "events.jsonl"
+    events = list(read_events(path)) if path.exists() else []
+    return replica_memory(events), replica_memory(events, "mapped")
 
 
-def render(status: JobStatus, memory: dict[str, int]) -> str:
+def render(status: JobStatus, memory: dict[str, int], mapped: dict[str, int] | None = None) -> str:
     """The status as a person reads it."""
     if status.outcome == Outcome.RUNNING:
         head = f"job: running, generation {status.generation} ({status.phase.replace('_', ' ')})"
@@ -76,6 +78,8 @@ def render(status: JobStatus, memory: dict[str, int]) -> str:
         role = "idle spare" if m.rank is None else f"rank {m.rank}"
         holds = f"holds rank(s) {', '.join(map(str, m.holds))}" if m.holds else "holds nothing"
         nbytes = f", {memory[m.proc] / 2**20:.1f} MiB of host memory" if m.proc in memory else ""
+        if mapped and mapped.get(m.proc):
+            nbytes += f" (and {mapped[m.proc] / 2**20:.1f} MiB of its senders' slots, mapped)"
         lines.append(f"  {m.proc}{where[m.proc]} ({role}): {holds}{nbytes}")
     lines.append(f"recoveries: {len(status.recoveries)}")
     for r in status.recoveries:
@@ -90,13 +94,12 @@ def render(status: JobStatus, memory: dict[str, int]) -> str:
 
 
 def status_main(run_dir: Path, as_json: bool) -> int:
-    (status, source), memory = read_status(run_dir), host_memory(run_dir)
+    (status, source), (memory, mapped) = read_status(run_dir), host_memory(run_dir)
     if as_json:
-        print(json.dumps({**json.loads(status.to_json()), "replica_memory_bytes": memory, "source": source},
-                         indent=2))
+        print(json.dumps({**json.loads(status.to_json()), "replica_memory_bytes": memory,
+                          "replica_mapped_bytes": mapped, "source": source}, indent=2))
     else:
         stale = status.outcome == Outcome.RUNNING and source != "live"
-        print(render(status, memory) + f"\n(read from: {source}" + ("; no coordinator answers for it: the job was "
-                                                                   "stopped or killed, this is its last record)"
-                                                                   if stale else ")"))
+        tail = "; no coordinator answers for it: the job was stopped or killed, this is its last record)"
+        print(render(status, memory, mapped) + f"\n(read from: {source}" + (tail if stale else ")"))
     return 0

@@ -33,7 +33,7 @@ class Receiver:
 
     def _run(self) -> None:
         ctx, key = self.ctx, self.inc.committed_key()
-        reported = 0
+        reported = (0, 0)
         try:
             plane = ControlPlane(connect(ctx.config))
             self.receiver = ReplicaReceiver(plane, self.inc.pair_prefix(self.rank, ctx.proc), ctx.secret(),
@@ -49,12 +49,14 @@ class Receiver:
                 if ranges and ctx.faults.should_corrupt(self.rank, slot.step or 0):
                     start, end = ranges[0]
                     slot.buffer[(start + end) // 2] ^= 0xFF  # a bit flip in host memory, after the ack
-                allocated = sum(s.buffer.numel() for s in self.slots)
-                if allocated != reported:  # the slots grew (the first snapshots): what holding this rank costs
-                    # `held`: the bytes of it this holder was sent (a data-parallel piece and the private state)
-                    ctx.events.emit("replica_memory", of_rank=self.rank, bytes=allocated, pinned=slot.pinned,
-                                    held=sum(b - a for a, b in ranges))
-                    reported = allocated
+                memory = (sum(s.buffer.numel() for s in self.slots if not s.mapped),
+                          sum(s.buffer.numel() for s in self.slots if s.mapped))
+                if memory != reported:  # the slots grew (the first snapshots): what holding this rank costs
+                    # `held`: the bytes of it this holder was sent (a data-parallel piece and the private
+                    # state; 0 when it mapped the sender's arena); `mapped`: the sender's arenas mapped here
+                    ctx.events.emit("replica_memory", of_rank=self.rank, bytes=memory[0], mapped=memory[1],
+                                    pinned=slot.pinned, held=0 if slot.mapped else sum(b - a for a, b in ranges))
+                    reported = memory
         except (InterruptedError, StreamClosed):  # told to stop; the sender closed its stream between snapshots
             pass
         except Exception as error:  # the sender died or moved on: its stream is over, the slots stay
@@ -104,5 +106,5 @@ class Holdings:
     def keep_only(self, ranks: list[int]) -> None:
         """Drops the replicas of ranks this process no longer holds (their host memory goes with them)."""
         for rank in set(self.slots) - set(ranks):
-            self.ctx.events.emit("replica_memory", of_rank=rank, bytes=0, pinned=False)
+            self.ctx.events.emit("replica_memory", of_rank=rank, bytes=0, mapped=0, pinned=False)
         self.slots = {rank: slots for rank, slots in self.slots.items() if rank in ranks}

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from deadpool.runtime.arena import Arena, shared_buffer
 from deadpool.runtime.digest import Digest, Hasher, new_hasher
 from deadpool.runtime.slices import held
 from deadpool.runtime.state import Layout
@@ -43,20 +44,25 @@ def checksum(meta: bytes, data: torch.Tensor, ranges: Sequence[tuple[int, int]] 
     return digest.finish(meta)[1]
 
 
-def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """Exactly `nbytes` of host memory, one arena for a whole slot (tensors live in it as views).
+def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.Tensor, Arena | None]:
+    """Exactly `nbytes` of host memory, one arena for a whole slot (tensors live in it as views), and where
+    holders on this machine can map it when `shared` (arena.py; None: private memory).
 
     Pinned (page-locked, so device-to-host copies run asynchronously on the side stream) by registering
     the arena with CUDA in place, not through `pin_memory=True`: torch's caching host allocator rounds
-    every request up to a power of two, up to twice the slot's size, and keeps freed blocks cached."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    every request up to a power of two, up to twice the slot's size, and keeps freed blocks cached. A
+    shared arena that CUDA will not register gives way to private pinned memory (holders then receive a
+    stream)."""
+    buffer, arena = shared_buffer(nbytes) if shared and nbytes else (torch.empty(nbytes, dtype=torch.uint8), None)
     if pinned and nbytes:
         cudart = torch.cuda.cudart()
         error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if error and arena is not None:
+            return host_buffer(nbytes, pinned)
         if error:
             raise RuntimeError(f"could not pin a {nbytes}-byte snapshot slot in host memory (cudaError {error})")
         weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
-    return buffer
+    return buffer, arena
 
 
 @dataclass(eq=False)  # slots are told apart by identity (a list of them is searched for the one being written)
@@ -65,10 +71,15 @@ class Slot:
 
     `trusted`: the checksum was computed from these bytes by this process as it wrote them (its own
     snapshot), or checked when they arrived for a recovery; such a slot is not checked again. A replica
-    that sits at a holder is checked before it is used (`intact`)."""
+    that sits at a holder is checked before it is used (`intact`).
+
+    `arena`: the buffer is this process's shared memory, which holders on this machine map (arena.py);
+    `mapped`: the buffer is another process's arena, mapped here, and never written by this process."""
 
     pinned: bool = False
     buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    arena: Arena | None = None
+    mapped: bool = False
     step: int | None = None
     meta: bytes = b""
     nbytes: int = 0
@@ -76,17 +87,22 @@ class Slot:
     trusted: bool = False
     ranges: list[tuple[int, int]] | None = field(default=None, repr=False)  # held(), once worked out
 
-    def reserve(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+    def reserve(self, nbytes: int, pin: bool = False, share: bool = False) -> torch.Tensor:
         """Marks the slot empty and returns its first `nbytes` bytes. A new arena of exactly `nbytes` is
-        made only when the buffer is too small, or not pinned when `pin` asks for it: a snapshot's size
-        settles after the first optimizer step (which creates the optimizer's state), so each slot is
-        pinned once."""
+        made only when the buffer is too small, not pinned when `pin` asks for it, not shared when `share`
+        asks for it, or mapped from another process: a snapshot's size settles after the first optimizer
+        step (which creates the optimizer's state), so each slot is pinned (and shared) once."""
         self.step, self.ranges = None, None
-        if self.buffer.numel() < nbytes or (pin and not self.pinned):
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old arena goes before the new one is made
-            self.buffer, self.pinned = host_buffer(nbytes, pin), pin
+        if self.mapped or self.buffer.numel() < nbytes or (pin and not self.pinned) or (share and not self.arena):
+            self.buffer, self.arena = torch.empty(0, dtype=torch.uint8), None  # the old arena goes first
+            (self.buffer, self.arena), self.pinned, self.mapped = host_buffer(nbytes, pin, share), pin, False
         self.nbytes = nbytes
         return self.buffer[:nbytes]
+
+    def adopt(self, mapped: torch.Tensor, nbytes: int) -> None:
+        """A holder's slot becomes a view of its sender's arena (arena.map_arena), empty until sealed."""
+        self.buffer, self.nbytes, self.arena, self.mapped, self.pinned = mapped, nbytes, None, True, False
+        self.step, self.ranges = None, None
 
     @property
     def data(self) -> torch.Tensor:
@@ -108,8 +124,11 @@ class Slot:
         return self.step is not None and checksum(self.meta, self.data) == self.digest
 
     def usable(self) -> bool:
-        """Holds a step that may be restored: trusted, or checked now (and trusted from then on). A
-        recovery pays for checking only what crossed a network or sat at a holder, not a rank's own slots."""
+        """Holds a step that may be restored: trusted, or checked now (and trusted from then on; a mapped
+        slot, which its sender may rewrite while it lives, at every call). A recovery pays for checking
+        only what crossed a network or sat at a holder, not a rank's own slots."""
+        if self.mapped:
+            return self.intact()
         if self.step is not None and not self.trusted:
             self.trusted = self.intact()
         return self.step is not None and self.trusted

@@ -305,27 +305,26 @@ class _Run:
         slot.seal(job.step, meta, whole, trusted=True, ranges=held(job.layout.lead_nbytes, job.layout.nbytes, piece))
         self.fingerprints[job.step] = fingerprint
         self.writing = None
-        for holder in self.inc.plan.holders[self.inc.my_rank()]:
-            self._replicate(slot, holder, plane, replaced)
+        holders = self.inc.plan.holders[self.inc.my_rank()]
+        sent = sum(self._replicate(slot, holder, plane, replaced) for holder in holders)
         # the event first: a snapshot the coordinator can commit is always in the events, even if this
         # process dies right after its report
         self.ctx.events.emit("snapshot", step=job.step, bytes=job.layout.nbytes, held=digest.fed,
                              audited=0 if other is None else other[1] - other[0],
                              slice=None if piece is None else list(piece), slot_wait_s=reserved - start,
                              landed_s=landed[0] - reserved, copy_s=hashed - reserved, hash=hash_name(),
-                             pinned=slot.pinned, total_s=time.monotonic() - start,
-                             holders=list(self.inc.plan.holders[self.inc.my_rank()]))
+                             pinned=slot.pinned, sent=sent, total_s=time.monotonic() - start,
+                             holders=list(holders))
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training
 
     def _resend(self, job: _Resend, plane: ControlPlane) -> None:
         slot, start = self.engine.slot_for(job.step), time.monotonic()
-        for holder in job.holders:
-            self._replicate(slot, holder, plane)
+        sent = sum(self._replicate(slot, holder, plane) for holder in job.holders)
         send_s = time.monotonic() - start  # connecting to the new holders and streaming: a swap's transfer
         self.ctx.events.emit("snapshot_resent", step=job.step, holders=list(job.holders), bytes=slot.nbytes,
-                             held=sum(b - a for a, b in slot.held()), send_s=send_s)
+                             held=sum(b - a for a, b in slot.held()), sent=sent, send_s=send_s)
         self.durable.add(job.step)
         self._report(plane)
 
@@ -348,7 +347,8 @@ class _Run:
                     self.writing = slot
                     reserved.append((slot, slot.step))
                     # snapshot 0 precedes the optimizer's state, so its size is not final: pinned from step 1 on
-                    slot.reserve(job.layout.nbytes, pin=self.engine.cuda and job.step > 0)
+                    # shared: holders on this machine map it instead of receiving a copy (arena.py)
+                    slot.reserve(job.layout.nbytes, pin=self.engine.cuda and job.step > 0, share=True)
             return bool(reserved) or skip
 
         deadline = time.monotonic() + self.ctx.config.collective_timeout_s
@@ -389,8 +389,9 @@ class _Run:
                 self.senders[holder] = ReplicaSender(plane, prefix, self.ctx.secret(), self.inc.generation,
                                                      self.ctx.config.collective_timeout_s, self.stop.is_set, refused)
 
-    def _replicate(self, slot: Slot, holder: str, plane: ControlPlane, replaced: int | None = None) -> None:
-        """Sends `slot` to `holder`; `replaced`: the step the slot held before this snapshot (None: a resend)."""
+    def _replicate(self, slot: Slot, holder: str, plane: ControlPlane, replaced: int | None = None) -> int:
+        """Sends `slot` to `holder`, returning the bytes streamed (0: mapped); `replaced`: the step the slot
+        held before this snapshot (None: a resend)."""
         self._connect(holder, plane)
 
         def midway() -> None:
@@ -398,7 +399,7 @@ class _Run:
 
         with communicating(f"replicating snapshot {slot.step} to {holder}"):
             try:
-                self.senders[holder].send(slot, midway, replaced)
+                return self.senders[holder].send(slot, midway, replaced)
             except ProtocolError as error:  # a corrupted transfer: send once more before giving up
                 self.ctx.events.emit("replica_rejected", step=slot.step, holder=holder, error=str(error))
-                self.senders[holder].send(slot, replaced=replaced)
+                return self.senders[holder].send(slot, replaced=replaced)

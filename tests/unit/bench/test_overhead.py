@@ -166,9 +166,9 @@ def test_presets_and_their_real_parameter_counts():
     assert "--batch-size" in SIZES["50M"].script_args()
 
 
-def test_memory_estimate_counts_live_state_local_slots_and_the_spares_replicas():
-    # per rank 16 B/parameter live, 2 x 12 B in its slots, 2 x 12 B in the spare
-    assert deadpool_memory(1000, ranks=4, spares=1) == 4 * 1000 * (16 + 24 + 24) + 5 * PROCESS_BYTES
+def test_memory_estimate_counts_live_state_and_local_slots_which_the_spare_maps():
+    # per rank 16 B/parameter live, 2 x 12 B in its slots (the spare on the same machine maps those)
+    assert deadpool_memory(1000, ranks=4, spares=1) == 4 * 1000 * (16 + 24) + 5 * PROCESS_BYTES
     assert deadpool_memory(1000, ranks=4, spares=0) == 4 * 1000 * (16 + 24) + 4 * PROCESS_BYTES
 
 

@@ -20,11 +20,12 @@ def test_json_output_is_the_record_plus_the_holders_host_memory(tmp_path, capsys
     write_status(tmp_path / "status.json", STATUS)
     events = [{"event": "plan_published", "holders": [["s1"], ["s1"]]},
               {"event": "replica_memory", "proc": "s1", "of_rank": 0, "bytes": 100},
-              {"event": "replica_memory", "proc": "s1", "of_rank": 1, "bytes": 50}]
+              {"event": "replica_memory", "proc": "s1", "of_rank": 1, "bytes": 50, "mapped": 70}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     assert main(["status", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out.pop("replica_memory_bytes") == {"s1": 150}
+    assert out.pop("replica_mapped_bytes") == {"s1": 70}  # its senders' slots, mapped on their machine
     assert out.pop("source") == "run directory"  # no coordinator answers for it
     assert out == json.loads(STATUS.to_json())
 
@@ -52,3 +53,9 @@ def test_a_directory_without_a_record_or_with_a_broken_one_is_refused(tmp_path, 
     (tmp_path / "status.json").write_text('{"version": 1}')
     assert main(["status", str(tmp_path)]) == 2
     assert "job status: missing" in capsys.readouterr().err
+
+
+def test_text_output_names_the_senders_slots_a_holder_maps():
+    text = render(STATUS, {"s1": 0}, {"s1": 6 * 2**20})
+    assert "  s1 on node 3 (idle spare): holds rank(s) 0, 1, 0.0 MiB of host memory (and 6.0 MiB of its " \
+           "senders' slots, mapped)" in text.splitlines()

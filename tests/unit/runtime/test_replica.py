@@ -3,6 +3,7 @@ the byte ranges it holds, and the holder checks it over exactly those."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,13 +31,14 @@ def ends(config: JobConfig) -> tuple[ControlPlane, bytes]:
     return ControlPlane(connect(config)), read_secret(config.secret_file)
 
 
-def sliced_slot(rank: int, world: int) -> tuple[Slot, Layout]:
+def sliced_slot(rank: int, world: int, share: bool = False) -> tuple[Slot, Layout]:
+    """A sealed slot of rank `rank`'s piece; `share`: in shared memory, as a rank's own slots are."""
     tensors = [torch.randn(40, 5, generator=torch.Generator().manual_seed(1)), torch.full((3,), float(rank))]
     layout = Layout.of(tensors, lead=[True, False])
     piece = piece_of(layout, rank, world)
     slot = Slot()
-    digest, _ = copy_in(tensors, layout, slot.reserve(layout.nbytes), piece, None, stream=None, ready=None,
-                        copied=lambda: None, midway=lambda: None)
+    digest, _ = copy_in(tensors, layout, slot.reserve(layout.nbytes, share=share), piece, None, stream=None,
+                        ready=None, copied=lambda: None, midway=lambda: None)
     meta = make_meta(4, None, layout, [False, False], [False, False], [True, False], True, piece)
     slot.seal(4, meta, digest.finish(meta)[1], trusted=True)
     return slot, layout
@@ -188,3 +190,55 @@ def test_the_holder_overwrites_the_slot_whose_step_its_sender_replaced_without_a
         holder.join(20)
     assert received == [held[0]] and held[0].step == 4 and held[0].intact()
     assert held[1].step == 3 and bool((held[1].data == 3).all())
+
+
+def test_a_holder_on_the_same_machine_maps_the_senders_slot_instead_of_receiving_it(tmp_path):
+    """Nothing crosses the stream but the header: the holder's slot is the sender's arena, checked before a
+    recovery uses it like any replica, so a later write by its sender shows there (and fails the check)."""
+    slot, layout = sliced_slot(rank=1, world=3, share=True)
+    with control_plane(tmp_path) as (_, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        held, received = [Slot(), Slot()], []
+        holder = receiving(config, "pair/", held, 1, received)
+        streams = sender(config)
+        sent = streams.send(slot)
+        holder.join(20)
+    [got] = received
+    assert sent == 0 and streams.share and got.mapped and not got.trusted and got.arena is None
+    assert (got.step, got.digest, got.meta, got.nbytes) == (slot.step, slot.digest, slot.meta, slot.nbytes)
+    assert got.usable() and torch.equal(got.data, slot.data)
+    slot.data[layout.lead_nbytes] ^= 0xFF  # the sender writes its arena again (a later snapshot)
+    assert torch.equal(got.data, slot.data) and not got.usable()
+    got.reserve(layout.nbytes).fill_(7)  # a stream into this slot later goes into the holder's own memory
+    assert not got.mapped and not bool((slot.data == 7).all())
+
+
+def test_a_holder_that_cannot_map_the_arena_is_sent_the_bytes_from_then_on(tmp_path):
+    """An arena the holder cannot open (here: announced with another inode) is acknowledged with
+    UNMAPPED; the sender streams that snapshot at once, and the next ones."""
+    slot, layout = sliced_slot(rank=0, world=1, share=True)
+    assert slot.arena is not None
+    slot.arena = dataclasses.replace(slot.arena, inode=slot.arena.inode + 1)
+    with control_plane(tmp_path) as (_, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        held, received = [Slot(), Slot()], []
+        holder = receiving(config, "pair/", held, 2, received)
+        streams = sender(config)
+        sent = [streams.send(slot), streams.send(slot, replaced=4)]
+        holder.join(20)
+    assert sent == [layout.nbytes] * 2 and not streams.share
+    assert [g.step for g in received] == [4, 4] and not any(g.mapped for g in received)
+    assert all(g.intact() and torch.equal(g.data, slot.data) for g in received)
+
+
+def test_a_sender_told_not_to_share_streams_to_a_holder_on_its_machine(tmp_path):
+    slot, layout = sliced_slot(rank=0, world=1, share=True)
+    with control_plane(tmp_path) as (_, plane):
+        config = JobConfig(script="train.py", workers=1, run_dir=str(tmp_path), token="t", **plane)
+        held, received = [Slot(), Slot()], []
+        holder = receiving(config, "pair/", held, 1, received)
+        plane_, secret = ends(config)
+        streams = ReplicaSender(plane_, "pair/", secret, 0, timeout_s=20, share=False)
+        sent = streams.send(slot)
+        holder.join(20)
+    assert sent == layout.nbytes and streams.stream.local and not received[0].mapped and received[0].intact()

@@ -102,9 +102,9 @@ def test_arenas_have_the_exact_size_and_each_is_pinned_once(monkeypatch):
     its exact size, once. (CUDA does not run here: the arena allocator is recorded instead of pinning.)"""
     made = []
 
-    def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.Tensor, None]:
         made.append((nbytes, pinned))
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8), None
 
     monkeypatch.setattr("deadpool.runtime.slots.host_buffer", host_buffer)
     slot = Slot()
@@ -118,7 +118,9 @@ def test_the_real_arena_is_exactly_as_large_as_asked():
     from deadpool.runtime.slots import host_buffer
 
     for nbytes in (1, 4097, 3 * 2**20 + 5):  # torch's caching pinned allocator would round these to powers of 2
-        assert host_buffer(nbytes, pinned=False).untyped_storage().nbytes() == nbytes
+        for shared in (False, True):
+            buffer, arena = host_buffer(nbytes, pinned=False, shared=shared)
+            assert buffer.untyped_storage().nbytes() == nbytes and (arena is not None) is shared
 
 
 def test_changed_metadata_breaks_intact():
