@@ -51,14 +51,13 @@ def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.
     Pinned (page-locked, so device-to-host copies run asynchronously on the side stream) by registering
     the arena with CUDA in place, not through `pin_memory=True`: torch's caching host allocator rounds
     every request up to a power of two, up to twice the slot's size, and keeps freed blocks cached. A
-    shared arena that CUDA will not register gives way to private pinned memory (holders then receive a
-    stream)."""
+    pinned arena is never shared: registering shared memory with CUDA has not been tried on a GPU yet, and
+    a refusal would leave CUDA's last error set on the engine's thread for a later kernel launch to raise."""
+    assert not (pinned and shared), "pinned slots stay private"
     buffer, arena = shared_buffer(nbytes) if shared and nbytes else (torch.empty(nbytes, dtype=torch.uint8), None)
     if pinned and nbytes:
         cudart = torch.cuda.cudart()
         error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
-        if error and arena is not None:
-            return host_buffer(nbytes, pinned)
         if error:
             raise RuntimeError(f"could not pin a {nbytes}-byte snapshot slot in host memory (cudaError {error})")
         weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
@@ -90,9 +89,10 @@ class Slot:
     def reserve(self, nbytes: int, pin: bool = False, share: bool = False) -> torch.Tensor:
         """Marks the slot empty and returns its first `nbytes` bytes. A new arena of exactly `nbytes` is
         made only when the buffer is too small, not pinned when `pin` asks for it, not shared when `share`
-        asks for it, or mapped from another process: a snapshot's size settles after the first optimizer
-        step (which creates the optimizer's state), so each slot is pinned (and shared) once."""
-        self.step, self.ranges = None, None
+        asks for it (and `pin` does not: host_buffer), or mapped from another process: a snapshot's size
+        settles after the first optimizer step (which creates the optimizer's state), so each slot is
+        pinned (or shared) once."""
+        self.step, self.ranges, share = None, None, share and not pin
         if self.mapped or self.buffer.numel() < nbytes or (pin and not self.pinned) or (share and not self.arena):
             self.buffer, self.arena = torch.empty(0, dtype=torch.uint8), None  # the old arena goes first
             (self.buffer, self.arena), self.pinned, self.mapped = host_buffer(nbytes, pin, share), pin, False

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import torch
 
+from deadpool.runtime.arena import Arena
 from deadpool.runtime.slots import Slot, checksum, make_meta, pick_slot
 from deadpool.runtime.state import Layout, flatten, unflatten
 
@@ -102,16 +103,17 @@ def test_arenas_have_the_exact_size_and_each_is_pinned_once(monkeypatch):
     its exact size, once. (CUDA does not run here: the arena allocator is recorded instead of pinning.)"""
     made = []
 
-    def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.Tensor, None]:
-        made.append((nbytes, pinned))
-        return torch.empty(nbytes, dtype=torch.uint8), None
+    def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.Tensor, Arena | None]:
+        made.append((nbytes, pinned, shared))
+        return torch.empty(nbytes, dtype=torch.uint8), Arena(1, 2, 3, nbytes) if shared else None
 
     monkeypatch.setattr("deadpool.runtime.slots.host_buffer", host_buffer)
     slot = Slot()
     sizes = [(1000, False), (3000, True), (3000, True), (2990, True), (3000, True)]  # step 0, then settled
-    for nbytes, pin in sizes:
-        assert slot.reserve(nbytes, pin).numel() == nbytes
-    assert made == [(1000, False), (3000, True)] and slot.pinned and slot.buffer.numel() == 3000
+    for nbytes, pin in sizes:  # as the engine asks: shared where it can be (pinned slots stay private)
+        assert slot.reserve(nbytes, pin, share=True).numel() == nbytes
+    assert made == [(1000, False, True), (3000, True, False)] and slot.pinned and slot.buffer.numel() == 3000
+    assert slot.arena is None
 
 
 def test_the_real_arena_is_exactly_as_large_as_asked():
