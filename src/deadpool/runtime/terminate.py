@@ -35,7 +35,7 @@ class LastWords:
         self.said = threading.Event()
 
     def due(self) -> bool:
-        return self.signalled or os.getppid() != self.parent
+        return self.signalled or os.getppid() != self.parent or exiting(self.parent)
 
     def say(self) -> None:
         """Says the last words, bounded by --stop-grace (the process then exits whatever happens); a second
@@ -54,6 +54,21 @@ class LastWords:
             self.ctx.events.emit("last_words_failed", error=f"{type(error).__name__}: {error}")
         finally:
             self.said.set()
+
+
+PF_EXITING = 0x4  # linux/sched.h: the process has begun to exit
+
+
+def exiting(pid: int) -> bool:
+    """Whether process `pid` is gone or on its way out. A launcher that dies closes its sockets (its store)
+    before its children are given another parent and sent SIGTERM, so a rank that lost the store in that
+    window sees its old parent still there, exiting."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
 
 _installed: LastWords | None = None
