@@ -8,7 +8,7 @@ import time
 import pytest
 
 from deadpool.config import Fault
-from deadpool.runtime.cadence import CALIBRATION_STEPS, REPRICE_STEPS
+from deadpool.runtime.cadence import CALIBRATION_STEPS, REPRICE_STEPS, longest_gap, snapshots_after
 
 from .conftest import SCRIPTS, Job, run_job
 
@@ -181,9 +181,9 @@ def test_corrupted_replica_with_no_intact_fallback_stops_cleanly(tmp_path):
 
 
 def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path):
-    """Killed at the end of the calibration: the spare that takes the rank over has timed too few steps
+    """Killed at the end of the calibration: the spare that takes the rank over has timed too few blocks
     and abstains; the survivors' measurements pick the interval, every rank agrees, and the run ends as
-    the failure-free one. REPRICE_STEPS later the ranks agree again, the spare now with pairs of its own."""
+    the failure-free one. REPRICE_STEPS later the ranks agree again, the spare now with blocks of its own."""
     again = CALIBRATION_STEPS + REPRICE_STEPS
     steps = again + 4
     reference = run_job(tmp_path / "reference", steps=steps)
@@ -192,33 +192,32 @@ def test_snapshot_every_auto_picks_an_interval_and_still_recovers(tmp_path):
     assert_same_training(job, reference)
     [recovery] = job.summary["recoveries"]
     restored = recovery["restored_step"]
-    assert restored in (CALIBRATION_STEPS - 4, CALIBRATION_STEPS - 2)  # the last calibration snapshots
+    assert restored in (CALIBRATION_STEPS - 3, CALIBRATION_STEPS - 2)  # the last calibration snapshots
     decided = job.named("snapshot_interval")
     assert {e["gen"] for e in decided} == {1}
     assert sorted(e["at_step"] for e in decided) == [CALIBRATION_STEPS] * 4 + [again] * 4
     first = {e["proc"]: e for e in decided if e["at_step"] == CALIBRATION_STEPS}
     second = {e["proc"]: e for e in decided if e["at_step"] == again}
-    # pairs: a step beside a snapshot's work (odd, 7..23) between two timed free steps. The survivors
-    # time all but the first step after the restore (7..19 restored at 22, 7..17 restored at 20), the spare
-    # the steps after its first; and the step after the restore is snapshotted too (its replicas are
-    # compared), so the next one is loaded: no free neighbour for 23 (restored at 20) on any rank
-    pairs = 7 if restored == CALIBRATION_STEPS - 2 else 6
-    assert {proc: e["pairs"] for proc, e in first.items()} == {"w0": pairs, "w1": pairs, "w2": pairs, "s0": 0}
+    # blocks of 5 steps, none after 5..9, one after each of 10..14, and so on: the survivors timed whole
+    # blocks 6..10 to 26..30 (the first step after the restore has no start), four neighbouring pairs; the
+    # spare none whole
+    assert {proc: e["blocks"] for proc, e in first.items()} == {"w0": 4, "w1": 4, "w2": 4, "s0": 0}
     chosen = {e["every"] for e in first.values()}
     assert len(chosen) == 1 and min(chosen) >= 1  # every rank agreed on one interval
     every = chosen.pop()
-    # the second agreement: every rank ran steps 25..74 alike, so each has the same new pairs (one per
-    # snapshot, none at an interval of 1), and the survivors keep their calibration's
-    steady = second["s0"]["pairs"]
-    assert (steady > 0) == (every > 1)
-    assert {proc: e["pairs"] for proc, e in second.items()} == {
-        "w0": pairs + steady, "w1": pairs + steady, "w2": pairs + steady, "s0": steady}
+    # the second agreement: every rank timed blocks 36..40 to 81..85 alike (the last two the probe, at an
+    # interval of BLOCK or less), so each has the same new pairs, and the survivors keep their calibration's
+    steady = second["s0"]["blocks"]
+    assert steady > 0
+    assert {proc: e["blocks"] for proc, e in second.items()} == {
+        "w0": 4 + steady, "w1": 4 + steady, "w2": 4 + steady, "s0": steady}
     assert {e["was"] for e in second.values()} == {every} and len({e["every"] for e in second.values()}) == 1
     later = second["s0"]["every"]
-    snapshots = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == 1 and e["step"] > CALIBRATION_STEPS})
-    assert all(step % (every if step <= again else later) == 0 for step in snapshots)
+    snapshots = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == 1 and e["step"] >= CALIBRATION_STEPS})
+    assert snapshots == [s for s in range(CALIBRATION_STEPS, steps + 1)  # the calibration's end, then agreed
+                         if snapshots_after(s, None if s == CALIBRATION_STEPS else every if s <= again else later)]
     assert [(i["generation"], i["step"], i["every"], i["replay_steps"]) for i in job.summary["snapshot_intervals"]] \
-        == [(1, CALIBRATION_STEPS, every, every), (1, again, later, later)]
+        == [(1, CALIBRATION_STEPS, every, longest_gap(every)), (1, again, later, longest_gap(later))]
     assert all(i["replay_s"] > 0 for i in job.summary["snapshot_intervals"])
     # host memory: two slots of its snapshot per worker, in shared memory; the spare, on the same machine,
     # maps them (two per held rank) and allocates nothing of its own (docs/benchmarks.md)

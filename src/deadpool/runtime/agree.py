@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool.errors import ProtocolError, UsageError
-from deadpool.runtime.cadence import Price, price
+from deadpool.runtime.cadence import Price, longest_gap, price
 from deadpool.runtime.comms import DataParallel, collective
 
 if TYPE_CHECKING:
@@ -57,13 +57,13 @@ def agree_on_interval(member: Member, step: int, durations: dict[int, float], sn
 
     Every rank decides at the same step (a collective) from the mean of the ranks' measurements (the
     ranks run in step, so each measures the same cost with its own noise; the max of them would pick
-    too sparse an interval). A spare that took a rank over recently has measured no pair and abstains. If
+    too sparse an interval). A spare that took a rank over recently has timed too few blocks and abstains. If
     no rank measured one, the interval stays; at the calibration's end the engine's busy time prices a
     snapshot instead (an upper bound: steps cannot lose more than the time the work runs beside them)."""
     config, engine = member.ctx.config, member.engine
     busy = statistics.median(engine.costs) if engine.costs else 0.0
     measured = price(durations, snapshotted)
-    fallback = Price(cost_s=busy, step_s=statistics.median(member.progress.step_times), pairs=0)
+    fallback = Price(cost_s=busy, step_s=statistics.median(member.progress.step_times), blocks=0)
     # sums over the ranks, in float64: an all-reduce leaves the same bits on every rank, so every rank
     # computes the same interval from them
     sums = torch.tensor([measured.cost_s if measured else 0.0, measured.step_s if measured else 0.0,
@@ -71,23 +71,24 @@ def agree_on_interval(member: Member, step: int, durations: dict[int, float], sn
                         dtype=torch.float64, device=member.device)
     _all_reduce(member, sums, dist.ReduceOp.SUM, "all_reduce", "the snapshot interval agreement")
     cost_s, step_s, n, busy_s, busy_step_s, ranks = sums.tolist()
-    used = (Price(cost_s=cost_s / n, step_s=step_s / n, pairs=measured.pairs if measured else 0) if n else
-            Price(cost_s=busy_s / ranks, step_s=busy_step_s / ranks, pairs=0))
+    used = (Price(cost_s=cost_s / n, step_s=step_s / n, blocks=measured.blocks if measured else 0) if n else
+            Price(cost_s=busy_s / ranks, step_s=busy_step_s / ranks, blocks=0))
     every = current if current is not None and not n else used.interval(config.snapshot_budget)
     # what the interval costs a recovery: a failure just before the next snapshot is committed replays
-    # up to `every` steps (every / 2 on average)
+    # up to the longest gap between two snapshots (`every`, more around a probe: cadence.py)
+    replay = longest_gap(every)
     member.ctx.events.emit("snapshot_interval", at_step=step, every=every, was=current, cost_s=used.cost_s,
                            step_s=used.step_s, my_cost_s=measured.cost_s if measured else None, busy_s=busy,
-                           pairs=measured.pairs if measured else 0, ranks_measured=int(n),
-                           budget=config.snapshot_budget, replay_steps=every, replay_s=every * used.step_s)
+                           blocks=measured.blocks if measured else 0, ranks_measured=int(n),
+                           budget=config.snapshot_budget, replay_steps=replay, replay_s=replay * used.step_s)
     if member.rank == 0 and every != current:
-        how = (f"steps beside a snapshot's work against those without, {int(n)} ranks' mean of "
-               f"{measured.pairs if measured else 0} pairs here" if n
-               else "its work's busy time: no rank measured a pair")
+        how = (f"blocks of steps with snapshots against those without, {int(n)} ranks' mean, "
+               f"{measured.blocks if measured else 0} blocks here" if n
+               else "its work's busy time: no rank timed blocks to compare")
         print(f"[deadpool] snapshot-every auto at step {step}: a snapshot costs {used.cost_s * 1e3:.0f} ms of step "
               f"time ({how}; the work itself takes {busy * 1e3:.0f} ms), a step {used.step_s * 1e3:.0f} ms; "
               f"snapshotting every {every} steps keeps it within {config.snapshot_budget:.1%}; a failure replays "
-              f"up to {every} steps ({every * used.step_s:.1f} s)", flush=True)
+              f"up to {replay} steps ({replay * used.step_s:.1f} s)", flush=True)
     return every
 
 

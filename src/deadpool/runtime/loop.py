@@ -25,7 +25,15 @@ from deadpool.events import EventLog
 from deadpool.protocol.kinds import Phase
 from deadpool.protocol.records import Commit
 from deadpool.runtime.agree import agree_on_interval, agree_to_stop
-from deadpool.runtime.cadence import PRICED_STEPS, agrees_after, behind, behind_window, snapshots_after
+from deadpool.runtime.cadence import (
+    CALIBRATION_GAP,
+    PRICED_STEPS,
+    agrees_after,
+    behind,
+    behind_window,
+    longest_gap,
+    snapshots_after,
+)
 from deadpool.runtime.comms import guard_exit
 from deadpool.runtime.failures import RECOVERABLE, Verdict, classify
 from deadpool.runtime.member import Member
@@ -44,7 +52,8 @@ class StepLoop:
         every = member.ctx.config.snapshot_every
         self.auto = self.calibrating = every == "auto"
         self.every = 1 if self.calibrating else int(every)
-        self.widest = self.every  # the widest interval of this run: how far back a replay's inputs are kept
+        # the most steps between two snapshots in this run: how far back a replay's inputs are kept
+        self.widest = CALIBRATION_GAP if self.calibrating else self.every
         self.steps: int | None = None  # session.run(steps=...): the ranks must agree on it
         self.stop_requested = False  # session.stop() was called in this step
         self.stopped = False         # every rank agreed to end the run after this step
@@ -157,7 +166,9 @@ class StepLoop:
                 print(f"[deadpool] {found.message()}", file=sys.stderr, flush=True)
 
     def _snapshots_after(self, step: int) -> bool:
-        return snapshots_after(step) if self.calibrating else step % self.every == 0
+        if self.auto:
+            return snapshots_after(step, None if self.calibrating else self.every)
+        return step % self.every == 0
 
     def _one_step(self, train_step: Callable[[int], Any]) -> None:
         member = self.member
@@ -197,13 +208,13 @@ class StepLoop:
             member.ctx.events.emit("stopped", step=step, reason="session.stop()")
 
     def _agree_on_interval(self, step: int) -> None:
-        """`auto`: the interval from the pairs of the recent steps (the first agreement ends the calibration)."""
+        """`auto`: the interval from the blocks of the recent steps (the first agreement ends the calibration)."""
         ends = self.step_ends = {s: t for s, t in self.step_ends.items() if s >= step - PRICED_STEPS}
         self.snapshotted = {s for s in self.snapshotted if s >= step - PRICED_STEPS}
         durations = {s: ends[s] - ends[s - 1] for s in ends if s - 1 in ends}
         current = None if self.calibrating else self.every
         self.every = agree_on_interval(self.member, step, durations, self.snapshotted, current)
-        self.calibrating, self.widest = False, max(self.widest, self.every)
+        self.calibrating, self.widest = False, max(self.widest, longest_gap(self.every))
 
     def _finish(self) -> None:
         member = self.member
