@@ -22,8 +22,8 @@ measured steps (total time / steps) and all ranks: a median would ignore the one
 a checkpoint.
 
 Warm-up, not measured (`warmup_steps`): the first 2K steps (K = --ckpt-every); with deadpool-auto among
-the variants, more: a whole number of intervals, until two steps after auto's calibration (24 steps,
-runtime/cadence.py), 30 at K = 5, for every variant alike. One-off costs fall in them: auto's
+the variants, more: a whole number of intervals, until two steps after auto's calibration (35 steps,
+runtime/cadence.py), 40 at K = 5, for every variant alike. One-off costs fall in them: auto's
 calibration, the allocation of DeadPool's slots, DCP's first save (planning, first staging). The measured
 window is then a whole number of checkpoint intervals, so the DCP variants pay their saves at their true
 rate, and it opens with a save, whose background writing has the rest of the interval to finish inside it.

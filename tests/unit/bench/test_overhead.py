@@ -185,10 +185,10 @@ def test_lists_are_checked_and_baselines_added():
 def test_warm_up_is_two_checkpoint_intervals_and_the_window_whole_intervals():
     assert run_steps(ckpt_every=5, steps=None, calibrating=False) == (10, 15)  # 2K
     assert run_steps(ckpt_every=5, steps=20, calibrating=False) == (10, 20)
-    assert run_steps(ckpt_every=5, steps=None, calibrating=True) == (30, 35)  # auto's calibration ends at step 24
-    assert run_steps(ckpt_every=5, steps=60, calibrating=True) == (30, 60)
+    assert run_steps(ckpt_every=5, steps=None, calibrating=True) == (40, 45)  # auto's calibration ends at step 35
+    assert run_steps(ckpt_every=5, steps=60, calibrating=True) == (40, 60)
     assert run_steps(ckpt_every=20, steps=60, calibrating=True) == (40, 60)  # 2K
-    assert run_steps(ckpt_every=2, steps=None, calibrating=True) == (26, 28)
+    assert run_steps(ckpt_every=2, steps=None, calibrating=True) == (38, 40)
     for every, steps, calibrating in ((10, 25, False), (5, 10, False), (0, 15, False), (5, 20, True)):
         with pytest.raises(ConfigError):
             run_steps(ckpt_every=every, steps=steps, calibrating=calibrating)
