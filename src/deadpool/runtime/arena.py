@@ -9,8 +9,9 @@ has a rank's snapshots after that rank's process died or was fenced; neither sur
 holders on other machines (or nodes in network namespaces of their own) receive a stream, as before.
 
 A mapped slot is never written by its holder: a later snapshot that arrives as a stream goes into a
-fresh buffer of the holder's own (Slot.reserve). Slots pinned for a GPU's copies stay private for now
-(slots.host_buffer), so their holders are streamed the bytes.
+fresh buffer of the holder's own (Slot.reserve). Slots pinned for a GPU's copies are shared too, the
+arena registered with CUDA in place; where CUDA refuses that, they stay private and their holders are
+streamed the bytes (slots.host_buffer).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -51,17 +52,40 @@ def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.
     Pinned (page-locked, so device-to-host copies run asynchronously on the side stream) by registering
     the arena with CUDA in place, not through `pin_memory=True`: torch's caching host allocator rounds
     every request up to a power of two, up to twice the slot's size, and keeps freed blocks cached. A
-    pinned arena is never shared: registering shared memory with CUDA has not been tried on a GPU yet, and
-    a refusal would leave CUDA's last error set on the engine's thread for a later kernel launch to raise."""
-    assert not (pinned and shared), "pinned slots stay private"
-    buffer, arena = shared_buffer(nbytes) if shared and nbytes else (torch.empty(nbytes, dtype=torch.uint8), None)
+    shared arena that CUDA refuses to register is given up for a private one (its holders are streamed
+    the bytes, as before shared pinned slots); a private one it refuses is an error."""
+    if shared and nbytes:
+        buffer, arena = shared_buffer(nbytes)
+        if not pinned or _pin(buffer) == 0:
+            return buffer, arena
+        del buffer, arena  # refused: the memory goes with its last reference
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
     if pinned and nbytes:
-        cudart = torch.cuda.cudart()
-        error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        error = _pin(buffer)
         if error:
             raise RuntimeError(f"could not pin a {nbytes}-byte snapshot slot in host memory (cudaError {error})")
+    return buffer, None
+
+
+def _pin(buffer: torch.Tensor) -> int:
+    """Registers `buffer` with CUDA until it is freed; the cudaError code (0: pinned). Registered from a
+    thread of its own: a refusal also sets CUDA's last error, which is per thread and which torch does not
+    let Python clear, and on the engine's thread a later launch would raise it."""
+    cudart, device = torch.cuda.cudart(), torch.cuda.current_device()
+    codes: list[int] = []
+
+    def register() -> None:
+        torch.cuda.set_device(device)  # a new thread's current device is GPU 0: register on the rank's own
+        codes.append(int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)))
+
+    thread = threading.Thread(target=register, name="deadpool-pin", daemon=True)
+    thread.start()
+    thread.join()
+    if not codes:
+        raise RuntimeError("could not pin a snapshot slot: the registering thread failed (see its traceback)")
+    if codes[0] == 0:
         weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
-    return buffer, arena
+    return codes[0]
 
 
 @dataclass(eq=False)  # slots are told apart by identity (a list of them is searched for the one being written)
@@ -89,11 +113,12 @@ class Slot:
     def reserve(self, nbytes: int, pin: bool = False, share: bool = False) -> torch.Tensor:
         """Marks the slot empty and returns its first `nbytes` bytes. A new arena of exactly `nbytes` is
         made only when the buffer is too small, not pinned when `pin` asks for it, not shared when `share`
-        asks for it (and `pin` does not: host_buffer), or mapped from another process: a snapshot's size
-        settles after the first optimizer step (which creates the optimizer's state), so each slot is
-        pinned (or shared) once."""
-        self.step, self.ranges, share = None, None, share and not pin
-        if self.mapped or self.buffer.numel() < nbytes or (pin and not self.pinned) or (share and not self.arena):
+        asks for it (unless CUDA refused to pin it shared: host_buffer), or mapped from another process: a
+        snapshot's size settles after the first optimizer step (which creates the optimizer's state), so
+        each slot is pinned (or shared) once."""
+        self.step, self.ranges = None, None
+        unshared = share and not self.arena and not (pin and self.pinned)  # pinned, not shared: CUDA refused
+        if self.mapped or self.buffer.numel() < nbytes or (pin and not self.pinned) or unshared:
             self.buffer, self.arena = torch.empty(0, dtype=torch.uint8), None  # the old arena goes first
             (self.buffer, self.arena), self.pinned, self.mapped = host_buffer(nbytes, pin, share), pin, False
         self.nbytes = nbytes

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from deadpool.runtime.arena import Arena
@@ -98,22 +99,34 @@ def test_a_trusted_slot_is_not_checked_again_an_untrusted_one_is_once():
     assert not corrupt.usable() and not corrupt.trusted
 
 
-def test_arenas_have_the_exact_size_and_each_is_pinned_once(monkeypatch):
-    """Snapshot 0 (before the optimizer's state exists) goes unpinned; from step 1 on the slot is pinned at
-    its exact size, once. (CUDA does not run here: the arena allocator is recorded instead of pinning.)"""
+def _record_arenas(monkeypatch, pinned_shared: bool) -> list[tuple[int, bool, bool]]:
+    """Records each arena a slot asks for instead of allocating one (CUDA does not run here); a pinned shared
+    arena comes back private when `pinned_shared` is False, as host_buffer gives one CUDA refused to register."""
     made = []
 
     def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.Tensor, Arena | None]:
         made.append((nbytes, pinned, shared))
-        return torch.empty(nbytes, dtype=torch.uint8), Arena(1, 2, 3, nbytes) if shared else None
+        kept_shared = shared and (pinned_shared or not pinned)
+        return torch.empty(nbytes, dtype=torch.uint8), Arena(1, 2, 3, nbytes) if kept_shared else None
 
     monkeypatch.setattr("deadpool.runtime.slots.host_buffer", host_buffer)
+    return made
+
+
+SIZES = [(1000, False), (3000, True), (3000, True), (2990, True), (3000, True)]  # step 0, then settled
+
+
+@pytest.mark.parametrize("pinned_shared", [True, False], ids=["shared", "cuda-refused-sharing"])
+def test_arenas_have_the_exact_size_and_each_is_pinned_once(monkeypatch, pinned_shared):
+    """Snapshot 0 (before the optimizer's state exists) goes unpinned; from step 1 on the slot is pinned at
+    its exact size, once, and shared, so holders on this machine map it; where CUDA refused to pin it
+    shared, the private pinned arena it got instead is kept, not asked for again at every snapshot."""
+    made = _record_arenas(monkeypatch, pinned_shared)
     slot = Slot()
-    sizes = [(1000, False), (3000, True), (3000, True), (2990, True), (3000, True)]  # step 0, then settled
-    for nbytes, pin in sizes:  # as the engine asks: shared where it can be (pinned slots stay private)
+    for nbytes, pin in SIZES:  # as the engine asks: shared where it can be
         assert slot.reserve(nbytes, pin, share=True).numel() == nbytes
-    assert made == [(1000, False, True), (3000, True, False)] and slot.pinned and slot.buffer.numel() == 3000
-    assert slot.arena is None
+    assert made == [(1000, False, True), (3000, True, True)] and slot.pinned and slot.buffer.numel() == 3000
+    assert (slot.arena is not None) is pinned_shared
 
 
 def test_the_real_arena_is_exactly_as_large_as_asked():
@@ -269,3 +282,16 @@ def test_slots_are_found_in_a_list_by_identity():
     a.reserve(8)
     b.reserve(8)
     assert a in [b, a] and [b, a].index(a) == 1 and a != b and Slot() not in [a, b]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA registers the shared arena)")
+def test_a_pinned_slot_is_shared_and_a_mapping_sees_what_the_device_copied_into_it():
+    from deadpool.runtime.arena import map_arena
+    from deadpool.runtime.slots import host_buffer
+
+    buffer, arena = host_buffer(3 * 2**20 + 5, pinned=True, shared=True)
+    assert arena is not None and buffer.is_pinned()
+    source = torch.arange(buffer.numel(), device="cuda").to(torch.uint8)
+    buffer.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(map_arena(arena), source.cpu())
