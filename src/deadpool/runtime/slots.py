@@ -67,6 +67,9 @@ def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.
     return buffer, None
 
 
+PIN_TIMEOUT_S = 60.0  # registering GBs of host memory takes well under a second
+
+
 def _pin(buffer: torch.Tensor) -> int:
     """Registers `buffer` with CUDA until it is freed; the cudaError code (0: pinned). Registered from a
     thread of its own: a refusal also sets CUDA's last error, which is per thread and which torch does not
@@ -80,9 +83,11 @@ def _pin(buffer: torch.Tensor) -> int:
 
     thread = threading.Thread(target=register, name="deadpool-pin", daemon=True)
     thread.start()
-    thread.join()
+    thread.join(PIN_TIMEOUT_S)
     if not codes:
-        raise RuntimeError("could not pin a snapshot slot: the registering thread failed (see its traceback)")
+        raise RuntimeError(f"could not pin a {buffer.numel()}-byte snapshot slot: CUDA's registration "
+                           + ("failed (see the thread's traceback)" if not thread.is_alive() else
+                              f"did not return within {PIN_TIMEOUT_S:.0f} s"))
     if codes[0] == 0:
         weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
     return codes[0]
