@@ -52,8 +52,8 @@ def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.
     Pinned (page-locked, so device-to-host copies run asynchronously on the side stream) by registering
     the arena with CUDA in place, not through `pin_memory=True`: torch's caching host allocator rounds
     every request up to a power of two, up to twice the slot's size, and keeps freed blocks cached. A
-    shared arena that CUDA refuses to register is given up for a private one (its holders are streamed
-    the bytes, as before shared pinned slots); a private one it refuses is an error."""
+    shared arena that CUDA refuses to register is given up for a private one (whose holders are then
+    streamed the bytes); a private one it refuses is an error."""
     if shared and nbytes:
         buffer, arena = shared_buffer(nbytes)
         if not pinned or _pin(buffer) == 0:
