@@ -99,9 +99,13 @@ def test_a_trusted_slot_is_not_checked_again_an_untrusted_one_is_once():
     assert not corrupt.usable() and not corrupt.trusted
 
 
-def _record_arenas(monkeypatch, pinned_shared: bool) -> list[tuple[int, bool, bool]]:
-    """Records each arena a slot asks for instead of allocating one (CUDA does not run here); a pinned shared
-    arena comes back private when `pinned_shared` is False, as host_buffer gives one CUDA refused to register."""
+@pytest.mark.parametrize("pinned_shared", [True, False], ids=["shared", "cuda-refused-sharing"])
+def test_arenas_have_the_exact_size_and_each_is_pinned_once(monkeypatch, pinned_shared):
+    """Snapshot 0 (before the optimizer's state exists) goes unpinned; from step 1 on the slot is pinned at
+    its exact size, once, and shared, so holders on this machine map it; where CUDA refused to pin it
+    shared, the private pinned arena it got instead is kept, not asked for again at every snapshot. (CUDA
+    does not run here: the arena allocator is recorded instead, giving back a private arena for a pinned
+    shared one when `pinned_shared` is False, as host_buffer does when CUDA refuses.)"""
     made = []
 
     def host_buffer(nbytes: int, pinned: bool, shared: bool = False) -> tuple[torch.Tensor, Arena | None]:
@@ -110,20 +114,9 @@ def _record_arenas(monkeypatch, pinned_shared: bool) -> list[tuple[int, bool, bo
         return torch.empty(nbytes, dtype=torch.uint8), Arena(1, 2, 3, nbytes) if kept_shared else None
 
     monkeypatch.setattr("deadpool.runtime.slots.host_buffer", host_buffer)
-    return made
-
-
-SIZES = [(1000, False), (3000, True), (3000, True), (2990, True), (3000, True)]  # step 0, then settled
-
-
-@pytest.mark.parametrize("pinned_shared", [True, False], ids=["shared", "cuda-refused-sharing"])
-def test_arenas_have_the_exact_size_and_each_is_pinned_once(monkeypatch, pinned_shared):
-    """Snapshot 0 (before the optimizer's state exists) goes unpinned; from step 1 on the slot is pinned at
-    its exact size, once, and shared, so holders on this machine map it; where CUDA refused to pin it
-    shared, the private pinned arena it got instead is kept, not asked for again at every snapshot."""
-    made = _record_arenas(monkeypatch, pinned_shared)
     slot = Slot()
-    for nbytes, pin in SIZES:  # as the engine asks: shared where it can be
+    sizes = [(1000, False), (3000, True), (3000, True), (2990, True), (3000, True)]  # step 0, then settled
+    for nbytes, pin in sizes:  # as the engine asks: shared where it can be
         assert slot.reserve(nbytes, pin, share=True).numel() == nbytes
     assert made == [(1000, False, True), (3000, True, True)] and slot.pinned and slot.buffer.numel() == 3000
     assert (slot.arena is not None) is pinned_shared
