@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CUDA path on one GPU, in under five minutes: kills in backward and mid-snapshot-copy with a spare that
-# takes the GPU over, bit-for-bit checks with and without the deterministic switch, pinned slots, the
-# device-to-host bandwidth, and the every-step snapshot overhead (scripts/gpu_check.py says what each is).
+# The CUDA path on one GPU, in under five minutes: the unit tests marked gpu, then kills in backward and
+# mid-snapshot-copy with a spare that takes the GPU over, bit-for-bit checks with and without the
+# deterministic switch, pinned slots, the device-to-host bandwidth, and the every-step snapshot overhead
+# (scripts/gpu_check.py says what each is).
 #
 #   bash scripts/gpu_check.sh [OUT]      (default OUT: runs/gpu-check; the report is OUT/gpu_check.json)
 #
@@ -15,4 +16,13 @@ PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c 'import numpy, torch; assert torch.cuda.is_available(), "no GPU visible"' \
   || { echo "gpu_check: needs python3 with torch (CUDA) and numpy" >&2; exit 2; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 330 "$PYTHON" scripts/gpu_check.py --out "$OUT"
+# First the unit tests marked `gpu` (they skip where no GPU is), where this Python has pytest and xxhash.
+tests=0
+if "$PYTHON" -c 'import pytest, xxhash' 2>/dev/null; then
+  timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu \
+    tests/unit/runtime/test_digest.py tests/unit/runtime/test_slots.py || tests=$?
+else
+  echo "gpu_check: $PYTHON lacks pytest or xxhash: the unit tests marked gpu did not run" >&2
+fi
+timeout 330 "$PYTHON" scripts/gpu_check.py --out "$OUT"
+[ "$tests" -eq 0 ] || { echo "gpu_check: the unit tests marked gpu failed (pytest exit $tests)" >&2; exit 1; }

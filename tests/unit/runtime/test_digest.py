@@ -172,7 +172,8 @@ def test_midway_and_settle_run_once_in_order():
     assert calls == ["midway", "settle"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run by scripts/gpu_check.sh)")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.sh runs it)")
 def test_from_a_gpu_each_piece_is_hashed_once_landed_and_settle_follows_the_last_copy(monkeypatch):
     monkeypatch.setattr(digest_module, "DEVICE_CHUNK", 1000)  # pieces that straddle tensors and padding
     tensors, lead = rank_state(private=0)

@@ -277,6 +277,7 @@ def test_slots_are_found_in_a_list_by_identity():
     assert a in [b, a] and [b, a].index(a) == 1 and a != b and Slot() not in [a, b]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA registers the shared arena)")
 def test_a_pinned_slot_is_shared_and_a_mapping_sees_what_the_device_copied_into_it():
     from deadpool.runtime.arena import map_arena
