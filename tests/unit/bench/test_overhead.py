@@ -211,6 +211,7 @@ WORKERS, STEPS, EVERY = 2, 6, 3
 def restored_hash(directory: Path, rank: int) -> str:
     """state_sha256 of rank `rank`'s state loaded from checkpoint `directory` in this (non-distributed) process."""
     from deadpool.bench.baselines import torchrun_dcp as baseline
+    from deadpool.bench.baselines.dcp_checkpoints import load_checkpoint, set_rng_state
 
     text = baseline.load_text(None)
     tokenizer = baseline.CharTokenizer(text)
@@ -219,8 +220,8 @@ def restored_hash(directory: Path, rank: int) -> str:
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-3, weight_decay=0.1)
     sampler = baseline.BatchSampler(num_tokens=len(text), block_size=64, batch_size=2, rank=rank,
                                     world_size=WORKERS, seed=1337)
-    step, rng = baseline.load_checkpoint(directory, gpt, optimizer, sampler, rank, WORKERS)
-    baseline.set_rng_state(rng)
+    step, rng = load_checkpoint(directory, gpt, optimizer, sampler, rank, WORKERS)
+    set_rng_state(rng)
     return baseline.state_sha256(gpt, optimizer, sampler, step)
 
 

@@ -66,14 +66,13 @@ import torch
 import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 
+from deadpool.bench.baselines.dcp_checkpoints import rng_state, set_rng_state
 from deadpool.bench.baselines.torchrun_dcp import (
     Events,
     add_example_arguments,
     add_fault_arguments,
     inject_fault,
     planned_fault,
-    rng_state,
-    set_rng_state,
     state_sha256,
 )
 from deadpool.examples.gpt.data import BatchSampler, CharTokenizer, load_text, make_batch
