@@ -10,22 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tests.box import Box
 from tests.unit.disk.plain_model import Tiny
 
 from deadpool.runtime.slices import cuts
 from deadpool.runtime.slots import Slot, checksum, held_ranges, make_meta
 from deadpool.runtime.state import ALIGN, Flat, Layout, flatten
-
-
-class Box:
-    def __init__(self, state) -> None:
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 def seal(flat: Flat, step: int, replicated: bool) -> Slot:

@@ -5,21 +5,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from tests.box import Box
 
 from deadpool.runtime.arena import Arena
 from deadpool.runtime.slots import Slot, checksum, make_meta, pick_slot
 from deadpool.runtime.state import Layout, flatten, unflatten
-
-
-class Box:
-    def __init__(self, state) -> None:
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 def fill(slot: Slot, step: int, tree) -> tuple:

@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from tests.box import Box
 
 from deadpool.errors import ConfigError
 from deadpool.runtime.state import ALIGN, Layout, flatten, load_into, state_sha256, unflatten
@@ -25,19 +26,6 @@ class Rngs:
     def load_state_dict(self, state):
         self.py.setstate(state["python"])
         self.np.set_state(state["numpy"])
-
-
-class Box:
-    """A Stateful returning whatever it was given."""
-
-    def __init__(self, state) -> None:
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 def make_tree(seed: int = 0):
