@@ -226,7 +226,6 @@ def restored_hash(directory: Path, rank: int) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # loading in this one process is the point
 def test_async_save_writes_complete_checkpoints_renamed_only_once_written(tmp_path: Path) -> None:
     runs = {}
     for mode in ("sync", "async"):
