@@ -124,17 +124,22 @@ def flatten(tree: dict[str, Stateful]) -> Flat:
         return len(flat.tensors) - 1
 
     def take(value: torch.Tensor, stable: bool) -> dict[str, Any]:
-        stable = stable or isinstance(value, torch.nn.Parameter)
         sharded: dict[str, Any] = {}
-        if isinstance(value, DTensor):
-            sharded = {"D": _placement(value)}
-            if value.device_mesh not in flat.meshes:
-                flat.meshes.append(value.device_mesh)
-            value = value.to_local().detach()  # this rank's shard: a view of the live local tensor
+        if type(value) is torch.nn.Parameter:
+            stable = True
+        elif type(value) is not torch.Tensor:  # a subclass: of Parameter, or a DTensor
+            stable = stable or isinstance(value, torch.nn.Parameter)
+            if isinstance(value, DTensor):
+                sharded = {"D": _placement(value)}
+                if value.device_mesh not in flat.meshes:
+                    flat.meshes.append(value.device_mesh)
+                value = value.to_local().detach()  # this rank's shard: a view of the live local tensor
         key = _view_key(value)
         if key is not None and key in seen:
             return {"T": seen[key], **sharded}
-        index = add(value.detach(), stable, False)
+        # detached only where autograd tracks it (parameters): a detach per tensor cost ~1 us, an optimizer's
+        # three tensors a parameter included
+        index = add(value.detach() if value.requires_grad else value, stable, False)
         if key is not None:
             seen[key] = index
         return {"T": index, **sharded}
@@ -151,6 +156,8 @@ def flatten(tree: dict[str, Stateful]) -> Flat:
             except _Unsupported as error:
                 raise error.at(f".{_failing(value.items(), stable, walk)}") from None
         if isinstance(value, (list, tuple)):
+            if all(type(v) in _PLAIN for v in value):  # Python's RNG state: 625 ints; a param group's indices
+                return {"l" if isinstance(value, list) else "t": list(value)}
             try:
                 items = [walk(v, stable) for v in value]
             except _Unsupported as error:
@@ -222,7 +229,7 @@ def _view_key(tensor: torch.Tensor) -> tuple | None:
         return None
     # the address of the first element stands for (storage, offset): two live tensors that start at one address
     # share a storage (asked for every tensor at every snapshot: cheaper than making a storage object)
-    return tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
+    return tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride()
 
 
 def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool],
