@@ -1,13 +1,15 @@
 """What a snapshot's capture costs the training thread: `state.flatten` of the registered state (the example
-GPT, AdamW, a sampler), the clones of its mutable tensors and the layout, as `SnapshotEngine.capture` does
-at every snapshot, in CPU time of the calling thread.
+GPT, AdamW, a sampler, the RNGs), the clones of its mutable tensors and the layout, as
+`SnapshotEngine.capture` does at every snapshot, in CPU time of the calling thread. `--cold` writes 64 MB
+between captures, as a training step does, so the walk finds its objects out of cache (in a job of 4 ranks
+on 2 cores a capture of the example took ~1.5x its warm time).
 
 Two sides in one run, interleaved in rounds: the capture as shipped (Python's cyclic collector paused
 during the walk) and with the collector left running, which is what a walk of many tensors set off (a
 collection every 700 new containers, each scanning the process's young objects and, now and then, all of
 them). Prints the median per capture and the collections seen, per model size.
 
-    python scripts/bench_capture.py --layers 4 24 --rounds 5
+    python scripts/bench_capture.py --layers 4 24 --rounds 5 [--cold]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from deadpool.examples.gpt.model import GPT, GPTConfig
 from deadpool.runtime import state
+from deadpool.runtime.implicit import RNGState
 from deadpool.runtime.state import Layout, flatten
 
 
@@ -43,7 +46,7 @@ def _tree(layers: int) -> dict[str, Any]:
     x = torch.randint(0, 65, (8, 64))
     model(x, x)[1].backward()
     optimizer.step()  # the optimizer's state exists from here on, as in every snapshot but the first
-    return {"model": model, "optimizer": optimizer, "data": _Position()}
+    return {"model": model, "optimizer": optimizer, "data": _Position(), "rng": RNGState(torch.device("cpu"))}
 
 
 def _capture(tree: dict[str, Any]) -> Layout:
@@ -52,13 +55,17 @@ def _capture(tree: dict[str, Any]) -> Layout:
     return Layout.of(flat.tensors, lead=flat.stable)
 
 
-def _timed(tree: dict[str, Any], captures: int) -> tuple[float, int]:
-    """CPU ms per capture, and the collections that ran meanwhile."""
+def _timed(tree: dict[str, Any], captures: int, evict: torch.Tensor | None) -> tuple[float, int]:
+    """CPU ms per capture, and the collections that ran meanwhile; `evict` is written before each capture."""
     before = sum(s["collections"] for s in gc.get_stats())
-    start = time.thread_time()
+    spent = 0.0
     for _ in range(captures):
+        if evict is not None:
+            evict.add_(1)
+        start = time.thread_time()
         _capture(tree)
-    return 1000 * (time.thread_time() - start) / captures, sum(s["collections"] for s in gc.get_stats()) - before
+        spent += time.thread_time() - start
+    return 1000 * spent / captures, sum(s["collections"] for s in gc.get_stats()) - before
 
 
 def main() -> None:
@@ -66,7 +73,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 24])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--captures", type=int, default=100, help="per round and side")
+    parser.add_argument("--cold", action="store_true", help="write 64 MB before every capture")
     args = parser.parse_args()
+    evict = torch.zeros(16 * 2**20) if args.cold else None
     shipped: Callable[[], Any] = state._collector_paused
     for layers in args.layers:
         tree = _tree(layers)
@@ -77,7 +86,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for side, pause in (("as shipped", shipped), ("collector running", contextlib.nullcontext)):
                 state._collector_paused = pause  # type: ignore[assignment]
-                sides[side].append(_timed(tree, args.captures))
+                sides[side].append(_timed(tree, args.captures, evict))
         state._collector_paused = shipped  # type: ignore[assignment]
         ms = {side: statistics.median(t for t, _ in runs) for side, runs in sides.items()}
         for side, runs in sides.items():
