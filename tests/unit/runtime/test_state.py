@@ -116,6 +116,20 @@ def test_stable_flags():
     assert not any(t.requires_grad for t in flat.tensors)
 
 
+def test_a_parameter_of_a_subclass_is_stable_and_detached():
+    """The walk takes Parameter and Tensor by their exact type first; a subclass (quantized weights, say)
+    must still count as a parameter."""
+    class Scaled(torch.nn.Parameter):
+        pass
+
+    module = torch.nn.Linear(2, 2)
+    module.weight = Scaled(module.weight.detach().clone())
+    flat = flatten({"model": module})
+    assert type(module.weight) is Scaled and flat.stable == [True, True]
+    assert not any(t.requires_grad for t in flat.tensors)
+    assert flat.tensors[0].data_ptr() == module.weight.data_ptr()
+
+
 def test_tensors_are_shared_not_copied():
     tree = make_tree()
     flat = flatten(tree)
