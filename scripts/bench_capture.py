@@ -2,7 +2,7 @@
 GPT, AdamW, a sampler, the RNGs), the clones of its mutable tensors and the layout, as
 `SnapshotEngine.capture` does at every snapshot, in CPU time of the calling thread. `--cold` writes 64 MB
 between captures, as a training step does, so the walk finds its objects out of cache (in a job of 4 ranks
-on 2 cores a capture of the example took ~1.5x its warm time).
+on 2 cores a capture of the example took ~1.3x its warm time).
 
 Two sides in one run, interleaved in rounds: the capture as shipped (Python's cyclic collector paused
 during the walk) and with the collector left running, which is what a walk of many tensors set off (a
