@@ -355,6 +355,15 @@ def commit_step(committed: int | None, reports: Mapping[int, Durable]) -> Decisi
     return Decision(max(newer), f"step {max(newer)} is durable on all {len(reports)} ranks")
 
 
+def awaited_reports(reports: Mapping[int, Durable], world: int) -> frozenset[int]:
+    """The ranks that must report again before a newer step can be committed or its replicas compared (both
+    need a step every rank holds): those lacking the newest step any rank holds, else every rank. The shell
+    wakes for a durable report only once all of these have written one (coordinator/server.py)."""
+    held = {rank: set(reports[rank].steps) if rank in reports else set() for rank in range(world)}
+    newest = max((step for steps in held.values() for step in steps), default=None)
+    return frozenset(rank for rank, steps in held.items() if newest not in steps) or frozenset(range(world))
+
+
 def abandoned_steps(committed: int | None, reports: Mapping[int, Durable]) -> list[int]:
     """Steps some rank skipped: no rank needs to keep them, since they can never be committed."""
     return sorted({s for r in reports.values() for s in r.skipped if committed is None or s > committed})

@@ -13,6 +13,7 @@ from deadpool.coordinator.policy import (
     Decision,
     Durable,
     abandoned_steps,
+    awaited_reports,
     choose_restore_step,
     classify_exit,
     commit_step,
@@ -403,6 +404,15 @@ def test_skipped_steps_are_abandoned_and_never_committed():
     assert commit_step(3, reports).value == 4
     assert abandoned_steps(4, reports) == [5]
     assert abandoned_steps(5, reports) == []
+
+
+def test_the_reports_awaited_are_those_lacking_the_newest_step_else_every_rank():
+    """Rank 2 lags behind step 5: only its report can let anything more be committed; once every rank holds
+    step 5, each must report step 6 first. A rank that never reported holds nothing, so it lags."""
+    assert awaited_reports({0: Durable(steps=(4, 5)), 1: Durable(steps=(5, 4)), 2: Durable(steps=(3, 4))}, 3) == {2}
+    assert awaited_reports({0: Durable(steps=(4, 5)), 1: Durable(steps=(4, 5))}, 3) == {2}
+    assert awaited_reports({0: Durable(steps=(4, 5)), 1: Durable(steps=(5,), skipped=(4,))}, 2) == {0, 1}
+    assert awaited_reports({}, 2) == {0, 1}
 
 
 # ---- choose_restore_step --------------------------------------------------------------------

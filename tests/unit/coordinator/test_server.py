@@ -8,12 +8,12 @@ from deadpool.config import JobConfig
 from deadpool.coordinator import server
 from deadpool.coordinator.machine import start
 from deadpool.coordinator.server import Coordinator
-from deadpool.coordinator.state import Persisting, PublishStatus
+from deadpool.coordinator.state import Persisting, Phase, PublishStatus
 from deadpool.coordinator.transitions import status_of
 from deadpool.events import EventLog, read_events
 from deadpool.protocol.keys import Keys
 from deadpool.protocol.plane import ControlPlane
-from deadpool.protocol.records import Commit, PersistReport, Published, Shutdown, Started
+from deadpool.protocol.records import Commit, Durable, PersistReport, Published, Shutdown, Started
 from deadpool.protocol.status import JobStatus
 from deadpool.protocol.store import Table
 
@@ -150,6 +150,45 @@ def test_a_report_or_an_exit_wakes_the_coordinator_and_a_heartbeat_or_its_own_wr
     assert coordinator.woken.is_set()
     coordinator.woken.clear()
     coordinator.request_stop()  # SIGTERM
+    assert coordinator.woken.is_set()
+
+
+def test_in_the_steady_state_a_durable_report_wakes_the_coordinator_only_with_the_others_it_awaits(tmp_path):
+    """With a snapshot every step, each rank's report of a step woke a tick of its own (3 ticks a commit where
+    1 does): now a durable report wakes the shell once every rank that lags behind the newest step (else every
+    rank) has written one since the last tick's gather, including between its gather and the next wait."""
+    config = JobConfig(**CONFIG, run_dir=str(tmp_path))
+    store, keys, events = Store(), Keys("tok"), EventLog(tmp_path / "events.jsonl", role="coordinator", proc="c")
+    coordinator = Coordinator(config, store, events, Processes(store, keys, {}))
+    coordinator.thread = threading.get_ident()
+    state = replace(start(config)[0], phase=Phase.STEADY)
+    gen = state.plan.generation
+
+    def report(rank: int, *steps: int) -> bool:
+        thread = threading.Thread(target=store.put, args=(keys.durable(gen, rank), Durable(gen, rank, steps, ())))
+        thread.start()
+        thread.join(5.0)
+        woken = coordinator.woken.is_set()
+        coordinator.woken.clear()
+        return woken
+
+    def tick() -> None:
+        coordinator._gather(state)
+        coordinator._arm(state)
+
+    assert report(0, 4, 5) and report(1, 3, 4)  # not armed yet: any report wakes, as outside the steady state
+    tick()  # rank 1 lags behind step 5
+    assert not report(0, 5, 6)  # rank 0 goes on: nothing more can be committed yet
+    assert report(1, 4, 5)  # step 5 can
+    tick()  # rank 1 lags behind step 6
+    assert report(1, 5, 6)
+    tick()  # both hold step 6: each must report step 7
+    assert not report(1, 6, 7) and report(0, 6, 7)
+    tick()
+    assert not report(0, 7, 8)
+    coordinator._gather(state)  # sees rank 1 lag behind step 8
+    assert not report(1, 7, 8)  # after that gather, before the arming: the old arming awaits both ranks
+    coordinator._arm(state)  # the new one awaits rank 1, which has written since the gather: a tick at once
     assert coordinator.woken.is_set()
 
 
