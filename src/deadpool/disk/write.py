@@ -46,7 +46,7 @@ def write_part(root: str | os.PathLike, step: int, writer: str, snapshots: Mappi
     """Writes `snapshots` (rank -> a slot holding `step`) into this writer's part of checkpoint `step`;
     returns the part's directory, or None when checkpoint `step` is already complete. Idempotent: a part
     that is already there, for the same ranks and identity, is left alone. Every slot must be usable (its
-    checksum holds) and its padding zero (snapshot.py zeroes it), so that a rank read back from disk has
+    checksum holds) and its padding zero (pieces.py zeroes it), so that a rank read back from disk has
     exactly the slot's bytes and CRC."""
     if step_dir(root, step).exists():
         return None

@@ -61,7 +61,7 @@ class Layout:
     @classmethod
     def of(cls, tensors: list[torch.Tensor], lead: list[bool] | None = None) -> "Layout":
         """Tensors keep their index; the `lead` ones are placed first, so that their bytes form one
-        region whose checksum is the data-parallel replicas' fingerprint (snapshot.py). Computed once per
+        region whose checksum is the data-parallel replicas' fingerprint (snapshot_thread.py). Computed once per
         shape of the state (a snapshot every step asks for the same one each time)."""
         return _layout(tuple((t.dtype, t.shape) for t in tensors), tuple(lead or [False] * len(tensors)))
 

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
+from deadpool.bench.cells import VARIANTS
 from deadpool.bench.cpu import JobCpu, tree_cpu_s
-from deadpool.bench.overhead import VARIANTS, measure, summarize
+from deadpool.bench.overhead import measure, summarize
 from deadpool.bench.overhead_table import table
 
 BURN = "import time\nwhile time.process_time() < {s}: pass\n"  # a process that spends `s` CPU seconds, then exits

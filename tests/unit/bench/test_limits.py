@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deadpool.bench.cells import VARIANTS
 from deadpool.bench.cpu import JobCpu
 from deadpool.bench.limits import Bandwidths, Traffic, copy_limit_s, loopback_rates, measure_bandwidths, traffic
-from deadpool.bench.overhead import VARIANTS, measure, summarize
+from deadpool.bench.overhead import measure, summarize
 from deadpool.bench.overhead_table import table
 
 GB = 1e9

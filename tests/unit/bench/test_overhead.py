@@ -9,19 +9,8 @@ import pytest
 import torch
 
 from deadpool.bench.baselines.run_torchrun import run_torchrun_dcp
-from deadpool.bench.overhead import (
-    PROCESS_BYTES,
-    SIZES,
-    VARIANTS,
-    deadpool_memory,
-    measure,
-    parameter_counts,
-    parse_ranks,
-    parse_sizes,
-    parse_variants,
-    run_steps,
-    summarize,
-)
+from deadpool.bench.cells import VARIANTS
+from deadpool.bench.overhead import measure, run_steps, summarize
 from deadpool.bench.overhead_table import table
 from deadpool.bench.plots import plot_overhead
 from deadpool.errors import ConfigError
@@ -155,31 +144,6 @@ def test_rounds_are_also_compared_pair_by_pair_and_deadpools_ddp_against_torchs(
     assert "per round, against deadpool-off in the same round: x1.100, x1.100, x1.000 (median x1.100" in text
     assert "against torch DDP (dcp-off): x1.000 (medians); per round x0.800, x1.250, x1.000 (median x1.000, " \
            "geometric mean x1.000)" in text
-
-
-def test_presets_and_their_real_parameter_counts():
-    assert [s.name for s in parse_sizes("50M, 1M")] == ["50M", "1M"]
-    counts = parameter_counts(list(SIZES.values()))
-    assert counts["3M"] == 3_202_304  # the example's defaults
-    for name, nominal in (("1M", 1e6), ("10M", 10e6), ("50M", 50e6)):
-        assert 0.9 * nominal < counts[name] < 1.1 * nominal
-    assert "--batch-size" in SIZES["50M"].script_args()
-
-
-def test_memory_estimate_counts_live_state_and_local_slots_which_the_spare_maps():
-    # per rank 16 B/parameter live, 2 x 12 B in its slots (the spare on the same machine maps those)
-    assert deadpool_memory(1000, ranks=4, spares=1) == 4 * 1000 * (16 + 24) + 5 * PROCESS_BYTES
-    assert deadpool_memory(1000, ranks=4, spares=0) == 4 * 1000 * (16 + 24) + 4 * PROCESS_BYTES
-
-
-def test_lists_are_checked_and_baselines_added():
-    assert [v.name for v in parse_variants("dcp-async,deadpool-every-1")] == \
-        ["deadpool-off", "deadpool-every-1", "dcp-off", "dcp-async"]
-    assert parse_ranks("2,4,2") == [2, 4]
-    for bad in (lambda: parse_sizes("7M"), lambda: parse_ranks("0"), lambda: parse_ranks("two"),
-                lambda: parse_variants("dcp")):
-        with pytest.raises(ConfigError):
-            bad()
 
 
 def test_warm_up_is_two_checkpoint_intervals_and_the_window_whole_intervals():
