@@ -19,7 +19,7 @@ import zlib
 from array import array
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from functools import lru_cache
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -213,6 +213,43 @@ class Digest:
 Source = tuple[torch.Tensor, int, int]  # (flat uint8 bytes, offset in the slot, end of its zeroed padding)
 
 
+def _runs(ordered: Sequence[Source]) -> Iterator[tuple[int, int, list[torch.Tensor], bool]]:
+    """The CPU copy's units, (start, end, parts, middle): sources whose places in the slot follow each other,
+    with their padding as zeros between them, up to about CHUNK bytes a run (a bigger source is cut in CHUNK
+    parts), so that a model's many small tensors cost a few calls, not a few each. Each run's parts fill
+    exactly [start, end) (torch.cat would otherwise resize its `out`). `middle`: the run that begins with the
+    middle source (copy_hashed's `midway` runs before it)."""
+    start = end = 0
+    parts: list[torch.Tensor] = []
+    middle = False
+    for i, (source, offset, padded) in enumerate(ordered):
+        if parts and (offset != end or i == len(ordered) // 2):
+            yield start, end, parts, middle
+            parts, middle = [], False
+        if not parts:
+            start = end = offset
+        middle = middle or i == len(ordered) // 2
+        n = source.numel()
+        for a in range(0, n, CHUNK):
+            if parts and end - start >= CHUNK:
+                yield start, end, parts, middle
+                parts, middle, start = [], False, end
+            part = source[a: a + CHUNK] if n > CHUNK else source
+            parts.append(part)
+            end += part.numel()
+        if padded > end:
+            parts.append(_zeros(padded - end))
+            end = padded
+    if parts:
+        yield start, end, parts, middle
+
+
+@lru_cache(maxsize=64)
+def _zeros(n: int) -> torch.Tensor:
+    """n zero bytes, to copy as a tensor's padding (slots align tensors to 64 bytes, so n < 64)."""
+    return torch.zeros(n, dtype=torch.uint8)
+
+
 def copy_hashed(sources: Sequence[Source], buffer: torch.Tensor, ranges: Sequence[tuple[int, int]],
                 lead_nbytes: int, *, device: bool = False, midway: Callable[[], None] = lambda: None,
                 settle: Callable[[], None] = lambda: None) -> Digest:
@@ -241,19 +278,25 @@ def copy_hashed(sources: Sequence[Source], buffer: torch.Tensor, ranges: Sequenc
         hashed = end
 
     ordered = sorted(sources, key=lambda source: source[1])
-    for i, (source, offset, padded) in enumerate(ordered):
+    if not device:
+        for start, end, parts, middle in _runs(ordered):
+            if middle:
+                midway()
+            if len(parts) == 1:
+                buffer[start:end].copy_(parts[0])
+            else:  # several small tensors and their padding: one call, not a few per tensor
+                torch.cat(parts, out=buffer[start:end])
+            if end - hashed >= CHUNK:
+                hash_to(end)
+    for i, (source, offset, padded) in enumerate(ordered if device else ()):
         if i == len(ordered) // 2:
             midway()
         n = source.numel()
-        piece = DEVICE_CHUNK if device else CHUNK
-        for start in range(0, n, piece):
-            end = offset + min(n, start + piece)
-            buffer[offset + start: end].copy_(source[start: start + piece], non_blocking=device)
-            if device:
-                landed.append((end, torch.cuda.Event()))
-                landed[-1][1].record()
-            elif end - hashed >= CHUNK:
-                hash_to(end)
+        for start in range(0, n, DEVICE_CHUNK):
+            end = offset + min(n, start + DEVICE_CHUNK)
+            buffer[offset + start: end].copy_(source[start: start + DEVICE_CHUNK], non_blocking=True)
+            landed.append((end, torch.cuda.Event()))
+            landed[-1][1].record()
         if padded > offset + n:
             buffer[offset + n: padded].zero_()
     for end, event in landed:

@@ -67,7 +67,9 @@ def sources(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece | None
     out: list[Source] = []
     for i, start, end, last in _rows(layout, piece or (0, lead)):
         offset, nbytes = layout.specs[i][2], layout.specs[i][3]
-        out.append((_bytes(tensors[i])[start:end], offset + start, offset + (_padded(nbytes) if last else end)))
+        data = _bytes(tensors[i])
+        out.append((data if (start, end) == (0, nbytes) else data[start:end], offset + start,
+                    offset + (_padded(nbytes) if last else end)))
     for i, (_, _, offset, nbytes) in enumerate(layout.specs):
         if offset >= lead:
             out.append((_bytes(tensors[i]), offset, offset + _padded(nbytes)))
@@ -113,9 +115,13 @@ def audit(tensors: Sequence[torch.Tensor], layout: Layout, piece: Piece) -> int:
     hasher = new_hasher()
     for i, start, end, last in _rows(layout, piece):
         data = _bytes(tensors[i])
-        for a in range(start, end, CHUNK):
-            chunk = data[a: min(end, a + CHUNK)]
-            hasher.update((chunk.cpu() if chunk.is_cuda else chunk).numpy().data)
+        if data.is_cuda:
+            for a in range(start, end, CHUNK):
+                hasher.update(data[a: min(end, a + CHUNK)].cpu().numpy().data)
+        else:  # a row of a small tensor costs its Python calls more than its bytes: one view, sliced for free
+            raw = data.numpy().data
+            for a in range(start, end, CHUNK):
+                hasher.update(raw[a: min(end, a + CHUNK)])
         if last:
             nbytes = layout.specs[i][3]
             hasher.update(bytes(_padded(nbytes) - nbytes))

@@ -172,6 +172,47 @@ def test_midway_and_settle_run_once_in_order():
     assert calls == ["midway", "settle"]
 
 
+def many_small():
+    """A model's shape in miniature: many small tensors, scalars (an optimizer's step), odd sizes that leave
+    padding, a few bigger than the test's CHUNK, and private tensors after the stable ones."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [None, 3, 16, 37, 300, 1, None, 129] * 5
+    tensors = [torch.randn((), generator=g) if n is None else torch.randn(n, generator=g) for n in sizes]
+    return tensors, [i < 32 for i in range(len(tensors))]
+
+
+def test_many_small_tensors_land_in_runs_with_their_padding_zeroed_and_hash_as_their_bytes(small_chunks):
+    tensors, lead = many_small()
+    layout, sources = layout_sources(tensors, lead)
+    runs = list(digest_module._runs(sorted(sources, key=lambda source: source[1])))
+    assert all(sum(p.numel() for p in parts) == end - start for start, end, parts, _ in runs)  # cat's exact out
+    assert [middle for *_, middle in runs].count(True) == 1 and max(len(parts) for _, _, parts, _ in runs) >= 4
+    buffer = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)  # garbage where padding will be
+    fingerprint, whole = copy(sources, buffer, layout).finish(b"{}")
+    raw = buffer.numpy().tobytes()
+    for tensor, (_, _, offset, n) in zip(tensors, layout.specs):
+        assert raw[offset: offset + n] == tensor.numpy().tobytes()
+        assert raw[offset + n: offset + -(-n // 64) * 64] == bytes(-(-n // 64) * 64 - n)
+    assert whole == int64(blocked(raw + b"{}", 96)) and fingerprint == int64(blocked(raw[:layout.lead_nbytes], 96))
+
+
+def test_midway_runs_once_the_sources_before_the_middle_one_are_in(small_chunks):
+    """The snapshot_copy fault point: a process killed there leaves a slot half written."""
+    tensors, lead = many_small()
+    layout, sources = layout_sources(tensors, lead)
+    ordered = sorted(sources, key=lambda source: source[1])
+    buffer = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+    seen = []
+
+    def midway() -> None:
+        seen.append([bytes(buffer[offset: offset + source.numel()].numpy()) == bytes(source.numpy())
+                     for source, offset, _ in ordered])
+
+    copy(sources, buffer, layout, midway=midway)
+    mid = len(ordered) // 2
+    assert seen == [[True] * mid + [False] * (len(ordered) - mid)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.sh runs it)")
 def test_from_a_gpu_each_piece_is_hashed_once_landed_and_settle_follows_the_last_copy(monkeypatch):
