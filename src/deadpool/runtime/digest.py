@@ -260,9 +260,10 @@ def copy_hashed(sources: Sequence[Source], buffer: torch.Tensor, ranges: Sequenc
     equal bytes in the replicated state, and the disk tier stores tensors, not padding, so a slot read back
     from disk hashes the same.
 
-    On the CPU a piece is CHUNK bytes, hashed while still in cache. From a `device` (sources on the GPU, the
-    current stream a side stream) every piece of DEVICE_CHUNK bytes is queued at once and hashed as soon as
-    its copy has landed, so the hash runs beside the copy engine instead of after it. `midway` runs before
+    On the CPU the sources go in runs of about CHUNK bytes (`_runs`), each hashed while still in cache. From
+    a `device` (sources on the GPU, the current stream a side stream) every piece of DEVICE_CHUNK bytes is
+    queued at once and hashed as soon as its copy has landed, so the hash runs beside the copy engine
+    instead of after it. `midway` runs before
     the middle source (a fault point); `settle` once everything is copied (a device copy is synchronized
     there, and training may go on), before the rest is hashed."""
     digest = Digest(lead_nbytes, new_hasher(parallel=device))
@@ -278,7 +279,19 @@ def copy_hashed(sources: Sequence[Source], buffer: torch.Tensor, ranges: Sequenc
         hashed = end
 
     ordered = sorted(sources, key=lambda source: source[1])
-    if not device:
+    if device:
+        for i, (source, offset, padded) in enumerate(ordered):
+            if i == len(ordered) // 2:
+                midway()
+            n = source.numel()
+            for start in range(0, n, DEVICE_CHUNK):
+                end = offset + min(n, start + DEVICE_CHUNK)
+                buffer[offset + start: end].copy_(source[start: start + DEVICE_CHUNK], non_blocking=True)
+                landed.append((end, torch.cuda.Event()))
+                landed[-1][1].record()
+            if padded > offset + n:
+                buffer[offset + n: padded].zero_()
+    else:
         for start, end, parts, middle in _runs(ordered):
             if middle:
                 midway()
@@ -288,17 +301,6 @@ def copy_hashed(sources: Sequence[Source], buffer: torch.Tensor, ranges: Sequenc
                 torch.cat(parts, out=buffer[start:end])
             if end - hashed >= CHUNK:
                 hash_to(end)
-    for i, (source, offset, padded) in enumerate(ordered if device else ()):
-        if i == len(ordered) // 2:
-            midway()
-        n = source.numel()
-        for start in range(0, n, DEVICE_CHUNK):
-            end = offset + min(n, start + DEVICE_CHUNK)
-            buffer[offset + start: end].copy_(source[start: start + DEVICE_CHUNK], non_blocking=True)
-            landed.append((end, torch.cuda.Event()))
-            landed[-1][1].record()
-        if padded > offset + n:
-            buffer[offset + n: padded].zero_()
     for end, event in landed:
         event.synchronize()
         if not settled and landed[-1][1].query():  # all of it is in: let training go on, then hash the rest
