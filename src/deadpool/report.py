@@ -117,8 +117,9 @@ def host_memory(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def snapshot_intervals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`--snapshot-every auto`: each agreement on the interval (the calibration's end, then every
-    REPRICE_STEPS steps), with its generation and step, and the replay it implies (a failure replays up to
-    `every` steps; seconds at the ranks' median step time)."""
+    REPRICE_STEPS steps), with its generation and step, and the replay it implies: as the ranks reported it
+    (cadence.longest_gap: `every` steps, more around a probe at an interval of BLOCK or less; `every` in
+    events that do not say), in seconds at the ranks' median step time."""
     agreed: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
         if e["event"] == "snapshot_interval":
@@ -126,8 +127,9 @@ def snapshot_intervals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (gen, step), chosen in sorted(agreed.items()):
         every, step_s = chosen[0]["every"], statistics.median(e["step_s"] for e in chosen)
-        out.append({"generation": gen, "step": step, "every": every, "step_s": step_s, "replay_steps": every,
-                    "replay_s": every * step_s})
+        replay = chosen[0].get("replay_steps", every)
+        out.append({"generation": gen, "step": step, "every": every, "step_s": step_s, "replay_steps": replay,
+                    "replay_s": replay * step_s})
     return out
 
 

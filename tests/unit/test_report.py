@@ -8,6 +8,7 @@ import json
 
 from deadpool.config import Fault
 from deadpool.report import final_losses, summarize
+from deadpool.runtime.cadence import longest_gap
 
 
 def ev(event: str, t: float, gen: int, rank: int | None = None, **fields) -> dict:
@@ -192,16 +193,20 @@ def test_memory_is_each_processes_peak_of_its_own_slots_and_the_replicas_it_hold
 
 
 def test_auto_reports_each_agreed_interval_and_the_replay_it_implies(tmp_path):
+    """The replay is the ranks' (cadence.longest_gap): at an interval of BLOCK or less the probes before each
+    agreement leave a longer gap than the interval; beyond BLOCK it is the interval."""
     path = tmp_path / "events.jsonl"
-    interval = dict(cost_s=0.25, budget=0.01, replay_steps=4)
-    write(path, [ev("snapshot_interval", 1.0, 0, 0, at_step=24, every=4, step_s=0.5, **interval),
-                 ev("snapshot_interval", 1.0, 0, 1, at_step=24, every=4, step_s=0.75, **interval),
-                 ev("snapshot_interval", 3.0, 2, 0, at_step=24, every=2, step_s=0.25, **interval),
-                 ev("snapshot_interval", 4.0, 2, 0, at_step=74, every=3, step_s=0.25, **interval)])
+
+    def agreed(t: float, gen: int, rank: int, step: int, every: int, step_s: float) -> dict:
+        return ev("snapshot_interval", t, gen, rank, at_step=step, every=every, step_s=step_s, cost_s=0.25,
+                  budget=0.01, replay_steps=longest_gap(every))
+
+    write(path, [agreed(1.0, 0, 0, 24, 4, 0.5), agreed(1.0, 0, 1, 24, 4, 0.75), agreed(3.0, 2, 0, 24, 2, 0.25),
+                 agreed(4.0, 2, 0, 74, 7, 0.25)])
     assert summarize(path, exit_code=0)["snapshot_intervals"] == [
-        {"generation": 0, "step": 24, "every": 4, "step_s": 0.625, "replay_steps": 4, "replay_s": 2.5},
-        {"generation": 2, "step": 24, "every": 2, "step_s": 0.25, "replay_steps": 2, "replay_s": 0.5},
-        {"generation": 2, "step": 74, "every": 3, "step_s": 0.25, "replay_steps": 3, "replay_s": 0.75}]
+        {"generation": 0, "step": 24, "every": 4, "step_s": 0.625, "replay_steps": 9, "replay_s": 5.625},
+        {"generation": 2, "step": 24, "every": 2, "step_s": 0.25, "replay_steps": 7, "replay_s": 1.75},
+        {"generation": 2, "step": 74, "every": 7, "step_s": 0.25, "replay_steps": 7, "replay_s": 1.75}]
 
 
 def test_failed_job(tmp_path):

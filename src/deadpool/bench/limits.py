@@ -103,12 +103,14 @@ def copy_limit(runs: list[dict[str, Any]], cost_s: float, cpu_cost_s: float | No
     bound = copy_limit_s(per_step, bandwidths) if bandwidths else None
     bound_cpu = bytes_cpu_s(per_step, bandwidths) if bandwidths else None
     busy = [r["snapshot_busy_s"] for r in runs if r.get("snapshot_busy_s") is not None]
+    busy_cpu = [r["snapshot_cpu_s"] for r in runs if r.get("snapshot_cpu_s") is not None]
     return {"copied_bytes": per_step.copied, "hashed_bytes": per_step.hashed, "sent_bytes": per_step.sent,
             "hash": per_step.hash_name, "cost_s": cost_s, "bound_s": bound,
             "multiple": cost_s / bound if bound else None,
             "cpu_cost_s": cpu_cost_s, "bound_cpu_s": bound_cpu,
             "cpu_multiple": cpu_cost_s / bound_cpu if bound_cpu and cpu_cost_s is not None else None,
-            "snapshot_busy_s": statistics.median(busy) if busy else None}
+            "snapshot_busy_s": statistics.median(busy) if busy else None,
+            "snapshot_cpu_s": statistics.median(busy_cpu) if busy_cpu else None}
 
 
 def traffic(events: list[dict[str, Any]], first_step: int, last_step: int) -> Traffic:

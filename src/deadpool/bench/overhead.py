@@ -139,6 +139,10 @@ def measure(events: list[dict[str, Any]], warmup: int, cpu: JobCpu | None = None
             # a snapshot's engine time (copy and hash, send, the holder's check and ack): less skewed by
             # other load on the machine than a difference of step times
             "snapshot_busy_s": statistics.median(e["total_s"] for e in snapshots) if snapshots else None,
+            # of that, the engine thread's CPU time (most of the rest is waiting: for a slot, for acks); None
+            # for events of a version that did not time it
+            "snapshot_cpu_s": statistics.median(cpus) if (cpus := [e["cpu_s"] for e in snapshots if "cpu_s" in e])
+            else None,
             # saves taken inside the window but written after it: their background cost is partly unmeasured
             "saves_after_window": sum(step < last_step and t > last_end for step, t in written.items()),
             "job_cpu_s": None if job_cpu is None else job_cpu / n_steps,

@@ -15,7 +15,7 @@ def table(rows: list[dict[str, Any]]) -> str:
              f"{'variant':>28} {'step':>10} {'ratio to off':>14} {'spread':>20} {'blocked':>8} "
              f"{'job CPU per step':>20} {'training thread CPU':>21} {'CPU beside training':>21} "
              f"{'MB copied/hashed/sent per step':>31} {'copy limit':>11} {'cost / limit':>12} "
-             f"{'CPU cost / bytes CPU':>20} {'engine per snapshot':>19}"]
+             f"{'CPU cost / bytes CPU':>20} {'engine per snapshot (CPU)':>25}"]
     for row in rows:
         label = row["variant"]
         if row["chosen_every"]:  # per run, the intervals `auto` agreed on in turn
@@ -69,12 +69,14 @@ def _limit_columns(limit: dict[str, Any] | None) -> str:
     moved = "/".join(f"{limit[k] / 1e6:.0f}" for k in ("copied_bytes", "hashed_bytes", "sent_bytes"))
     bound = f"{limit['bound_s'] * 1e3:.1f} ms" if limit["bound_s"] is not None else "-"
     busy = f"{limit['snapshot_busy_s'] * 1e3:.0f} ms" if limit["snapshot_busy_s"] is not None else "-"
+    if limit.get("snapshot_cpu_s") is not None:
+        busy += f" ({limit['snapshot_cpu_s'] * 1e3:.1f} ms)"
     cpu = limit.get("cpu_multiple")
     if cpu is not None:
         cpu_text = f"{limit['cpu_cost_s'] * 1e3:.0f}/{limit['bound_cpu_s'] * 1e3:.0f} ms {_multiple(cpu)}"
     else:
         cpu_text = "-"
-    return f" {moved:>31} {bound:>11} {_multiple(limit['multiple']):>12} {cpu_text:>20} {busy:>19}"
+    return f" {moved:>31} {bound:>11} {_multiple(limit['multiple']):>12} {cpu_text:>20} {busy:>25}"
 
 
 def _multiple(value: float | None) -> str:

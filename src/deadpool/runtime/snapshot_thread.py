@@ -131,7 +131,7 @@ class SnapshotThread:
                 sender.close()
 
     def _snapshot(self, job: Job, plane: ControlPlane) -> None:
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.thread_time()
         rank, world, sliced = self.inc.my_rank(), self.inc.world_size, self.engine.sliced(self.inc.world_size)
         piece = piece_of(job.layout, rank, world) if sliced else None
         checked = audited(world, self.taken)  # audited by every rank but its owner, whose piece hash stands for it
@@ -175,7 +175,7 @@ class SnapshotThread:
                              slice=None if piece is None else list(piece), slot_wait_s=reserved - start,
                              landed_s=landed[0] - reserved, copy_s=hashed - reserved, hash=hash_name(),
                              pinned=slot.pinned, sent=sent, total_s=time.monotonic() - start,
-                             holders=list(holders))
+                             cpu_s=time.thread_time() - cpu, holders=list(holders))
         self.durable.add(job.step)
         self._report(plane)
         self.engine.costs.append(time.monotonic() - reserved)  # waiting for a free slot takes nothing from training

@@ -31,7 +31,7 @@ def test_snapshots_checked_with_crc32_are_bounded_at_crc32_speed():
 
 def snapshot(rank: int, step: int, nbytes: int, holders: list[str], **fields) -> dict:
     return {"event": "snapshot", "rank": rank, "step": step, "t": step + 0.1, "bytes": nbytes,
-            "holders": holders, "total_s": 0.25, **fields}
+            "holders": holders, "total_s": 0.25, "cpu_s": 0.0045, **fields}
 
 
 def test_bytes_per_step_count_every_rank_and_holder_in_the_window():
@@ -85,7 +85,7 @@ def test_rows_state_bytes_bound_and_the_costs_as_multiples_of_it():
                   for r in rows.values()])
     assert "1/2/1" in text and f"{bound * 1e3:.1f} ms" in text and f"{0.1 / bound:.1f}x" in text
     assert f"5/{2 * bound * 1e3:.0f} ms {0.005 / (2 * bound):.1f}x" in text
-    assert limit["snapshot_busy_s"] == 0.25 and "250 ms" in text
+    assert limit["snapshot_busy_s"] == 0.25 and limit["snapshot_cpu_s"] == 0.0045 and "250 ms (4.5 ms)" in text
 
 
 def test_a_cost_below_zero_is_called_noise_not_a_multiple():

@@ -66,6 +66,7 @@ def test_snapshots_in_the_window_are_those_whose_cost_falls_in_it():
     events += [{"event": "snapshot", "rank": 0, "step": s, "t": s + 0.1, "bytes": 8, "holders": ["s0"], "total_s": 0.5}
                for s in (4, 5, 6, 7)]
     assert measure(events, warmup=5)["snapshots_in_window"] == 2
+    assert measure(events, warmup=5)["snapshot_cpu_s"] is None  # events of a version that did not time it
     assert measure([e for e in events if e.get("step") not in (5, 6) or e["event"] == "step"],
                    warmup=5)["snapshots_in_window"] == 0
 

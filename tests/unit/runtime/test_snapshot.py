@@ -10,7 +10,7 @@ from tests.plane import control_plane
 
 from deadpool.config import JobConfig
 from deadpool.errors import SwapAborted
-from deadpool.events import EventLog
+from deadpool.events import EventLog, read_events
 from deadpool.faults.plan import FaultInjector
 from deadpool.protocol.keys import Keys
 from deadpool.protocol.kinds import Role
@@ -79,7 +79,7 @@ def test_wait_committed_is_bounded(engine):
         engine.wait_committed(4)
 
 
-def test_drain_waits_for_the_last_snapshot_to_be_durable_and_committed(engine):
+def test_drain_waits_for_the_last_snapshot_to_be_durable_and_committed(engine, tmp_path):
     engine, master, inc = engine
     engine.capture(1, {"model": torch.nn.Linear(4, 4)})
     deadline = time.monotonic() + 5
@@ -89,3 +89,5 @@ def test_drain_waits_for_the_last_snapshot_to_be_durable_and_committed(engine):
     commit(master, inc, 1, [])  # what the coordinator does once every rank reported step 1 durable
     engine.drain()
     assert [s.step for s in engine.slots if s.step is not None] == [1]
+    [event] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "snapshot"]
+    assert 0 < event["cpu_s"] <= event["total_s"]  # the engine thread's CPU time, within its wall time
