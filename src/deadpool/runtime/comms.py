@@ -234,22 +234,40 @@ def join_group(store: PlaneStore | dist.TCPStore, prefix: str, backend: str, ran
                               if inode in ports and ports[inode][1] and store.port not in ports[inode])  # listener
 
 
-def leave_group() -> None:
-    """Drops the default group (and aborts it first on NCCL, where that cancels in-flight work).
+LEAVE_DEADLINE_S = 2.0  # how long dropping a group may take before it is left behind (a healthy one: milliseconds)
+
+
+def leave_group(deadline_s: float = LEAVE_DEADLINE_S) -> bool:
+    """Drops the default group (and aborts it first on NCCL, where that cancels in-flight work); False if
+    the group could not be freed within `deadline_s` and was left behind.
 
     For gloo this does not reliably close the group's sockets at once (measured on torch 2.13: after
     a failed step they stayed open), so peers blocked on this process are released by the
     coordinator's abort instead (finish, and abandon_group, which every member runs on the abort).
+    Freeing a gloo group joins its worker threads, and one still blocked in an abandoned collective's
+    receive stays there until the peer closes the connection or the collective timeout passes (measured:
+    18.8 s, until the peer exited). The last reference is therefore dropped on a helper thread (torch frees a
+    group without holding the GIL): past the deadline the group is left to that thread, and this process
+    goes on to the next generation's fresh group.
     """
     _group_sockets.clear()
     if not dist.is_initialized():
-        return
+        return True
     group: Any = dist.group.WORLD
     if dist.get_backend(group) == "nccl":
         group.abort()  # NCCL can abort in-flight collectives; gloo cannot
     dist.destroy_process_group()
+    last = [group]
     del group
-    gc.collect()
+
+    def drop() -> None:
+        last.clear()
+        gc.collect()
+
+    dropping = threading.Thread(target=drop, name="deadpool-leave-group", daemon=True)
+    dropping.start()
+    dropping.join(deadline_s)
+    return not dropping.is_alive()
 
 
 class DataParallel(torch.nn.Module):

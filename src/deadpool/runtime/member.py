@@ -18,7 +18,15 @@ from deadpool.errors import PeerFailure
 from deadpool.protocol.keys import ENV_DEVICE
 from deadpool.protocol.records import Device, Resumed
 from deadpool.runtime.agree import agree_on_restore
-from deadpool.runtime.comms import DataParallel, abandon_group, communicating, join_group, leave_group, pick_backend
+from deadpool.runtime.comms import (
+    LEAVE_DEADLINE_S,
+    DataParallel,
+    abandon_group,
+    communicating,
+    join_group,
+    leave_group,
+    pick_backend,
+)
 from deadpool.runtime.context import Context
 from deadpool.runtime.generation import Incarnation, assume
 from deadpool.runtime.holding import Holdings
@@ -108,7 +116,8 @@ class Member:
         if self.watch is not None:
             self.watch.close()
             self.watch = None
-        leave_group()
+        if not leave_group():
+            self.ctx.events.emit("group_left_behind", deadline_s=LEAVE_DEADLINE_S)
 
     def persist(self, step: int | None) -> None:
         """Writes this rank's part of checkpoint `step` from its own slot, unless it is on disk already (at the

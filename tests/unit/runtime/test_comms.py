@@ -23,6 +23,7 @@ from deadpool.runtime.comms import (
     communicating,
     finish,
     join_group,
+    leave_group,
     pick_backend,
 )
 from deadpool.runtime.failures import raised_in_torch_distributed
@@ -169,6 +170,55 @@ def test_abandon_group_releases_a_synchronous_gloo_collective(ours, shutdown):
     try:
         seconds, placed = out.get(timeout=30).split()
         assert float(seconds) < 5 and placed == "True"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(10)
+
+
+def _left_mid_collective(rank: int, port: int, out: "mp.Queue[str]") -> None:
+    """Rank 1's collective is abandoned while rank 0, alive and connected, never joins it, so gloo's worker
+    thread stays blocked in its receive; rank 1 leaves the group anyway, then both join the next one."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    join_group(store, "g0/", "gloo", rank, 2, timeout_s=60.0)
+    if rank == 0:
+        store.wait(["left"], timedelta(seconds=30))  # rank 0's connections stay open until rank 1 has left
+        left = leave_group(deadline_s=1.0)  # nothing in flight here: freed at once
+    else:
+        start = time.monotonic()
+        with pytest.raises(CollectiveAborted):
+            collective(lambda: dist.all_reduce(torch.zeros(3), async_op=True), timeout_s=60.0, what="a step",
+                       interrupted=lambda: time.monotonic() - start > 0.5)
+        begun = time.monotonic()
+        left = leave_group(deadline_s=1.0)
+        out.put(f"leave {time.monotonic() - begun:.2f} {left}")
+        store.set("left", "1")
+    join_group(store, "g1/", "gloo", rank, 2, timeout_s=60.0)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    out.put(f"rank {rank} {left} {total.item():g}")
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_leaving_a_group_blocked_on_a_live_peer_takes_at_most_the_deadline():
+    """Freeing a gloo group joins its worker threads; one blocked in an abandoned collective's receive would
+    hold the rank there until the peer hangs up (18.8 s measured; a CI run's recovery once failed so). The
+    group is left behind after the deadline instead, and the next generation's group works."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [ctx.Process(target=_left_mid_collective, args=(rank, port, out)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        _, seconds, left = out.get(timeout=30).split()
+        assert left == "False" and 1.0 <= float(seconds) < 3.0
+        after = sorted(out.get(timeout=30) for _ in procs)
+        assert after == ["rank 0 True 3", "rank 1 False 3"]
     finally:
         for proc in procs:
             proc.kill()
