@@ -52,6 +52,16 @@ def _faults(args: argparse.Namespace, workers: int, spares: int, nproc: int) -> 
             f"rank(s) {', '.join(map(str, ranks))} {how}")
 
 
+def compared(faulty: dict, reference: dict) -> dict:
+    """The run with a failure's summary, judged against the reference: bitwise_equal only if the final
+    states' hashes and every logged loss are the same."""
+    same_state = faulty["final_state_sha256"] == reference["final_state_sha256"]
+    same_losses = faulty["losses"] == reference["losses"]
+    return {**faulty, "reference_final_loss": reference["final_loss"],
+            "reference_state_sha256": reference["final_state_sha256"],
+            "loss_sequence_equal": same_losses, "bitwise_equal": same_state and same_losses}
+
+
 def demo(args: argparse.Namespace) -> int:
     if not 1 <= args.fail_at <= args.steps:
         raise ConfigError(f"--fail-at must be a step between 1 and --steps ({args.steps}), got {args.fail_at}")
@@ -76,11 +86,7 @@ def demo(args: argparse.Namespace) -> int:
         print(f"the reference run failed: {reference['error']}", file=sys.stderr)
         return code
 
-    same_state = faulty["final_state_sha256"] == reference["final_state_sha256"]
-    same_losses = faulty["losses"] == reference["losses"]
-    summary = {**faulty, "reference_final_loss": reference["final_loss"],
-               "reference_state_sha256": reference["final_state_sha256"],
-               "loss_sequence_equal": same_losses, "bitwise_equal": same_state and same_losses}
+    summary = compared(faulty, reference)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     _banner("result")
     print(f"final loss {faulty['final_loss']!r} (reference {reference['final_loss']!r})\n"

@@ -43,6 +43,11 @@ def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
     return found
 
 
+def leaks(secret: bytes, data: bytes) -> bool:
+    """Whether `data` holds the secret, raw or in hex (as its file and DEADPOOL_SECRET hold it)."""
+    return secret in data or secret.hex().encode() in data.lower()
+
+
 def capture_a_legitimate_request(port: int, secret: bytes) -> bytes:
     """What a man in the middle records of a legitimate client: its proof for the server's nonce, then one
     request (it writes `legit/key`)."""
@@ -70,8 +75,9 @@ def capture_a_legitimate_request(port: int, secret: bytes) -> bytes:
 
 def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, reference):
     """The reference job (4 workers, 1 spare), attacked while it trains: every listener of the launcher and its
-    processes is on loopback; torch's client, a wrong secret and a replayed capture are refused and logged,
-    can read and write nothing; the job ends bit for bit as the reference."""
+    processes is on loopback; the secret is in no process's command line or environment and in no file of
+    the run directory but its own (mode 600); torch's client, a wrong secret and a replayed capture are
+    refused and logged, can read and write nothing; the job ends bit for bit as the reference."""
     attacked = tmp_path / "attacked"  # steps paused 1 s until then: time to attack
     job = Background(tmp_path / "run", script=SCRIPTS / "slow_steps.py",
                      script_prefix=("1.0", "--until", str(attacked)),
@@ -87,6 +93,10 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
     assert {address for address, _ in listeners} <= {"127.0.0.1", "::1"}, listeners
 
     secret = read_secret(tmp_path / "run" / "secret")
+    assert (tmp_path / "run" / "secret").stat().st_mode & 0o777 == 0o600
+    for pid in pids[1:]:  # what `ps` (and, for the same user, /proc) shows of each process the job started
+        for shown in ("cmdline", "environ"):
+            assert not leaks(secret, Path(f"/proc/{pid}/{shown}").read_bytes()), f"/proc/{pid}/{shown}"
     captured = tmp_path / "captured"
     captured.write_bytes(capture_a_legitimate_request(port, secret))
     rogue = subprocess.run([sys.executable, str(SCRIPTS / "rogue_client.py"), str(port), str(captured)],
@@ -102,6 +112,9 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
 
     done = job.join()
     assert_same_training(done, reference)
+    for path in (tmp_path / "run").rglob("*"):  # config.json, events.jsonl, the workers' logs: all 644
+        if path.is_file() and path.name != "secret":
+            assert not leaks(secret, path.read_bytes()), path
     assert done.summary["faults_not_fired"] == ["fault kill:1:99:backward never fired: the run ended at step 10"]
     refusals = [e["reason"] for e in done.named("control_plane_refused")]
     assert refusals[:2] == ["the client does not hold the job's secret"] * 2  # the wrong secret, the replay

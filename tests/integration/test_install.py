@@ -95,8 +95,15 @@ def test_a_wheel_install_runs_without_the_repository(tmp_path):
                                                                  "deadpool.examples.gpt.data")
     assert "usage: deadpool bench recovery" in run(deadpool, "bench", "recovery", "--help")
     assert "usage: deadpool bench overhead" in run(deadpool, "bench", "overhead", "--help")
-    # The demo's trainer, run from the installed package by the installed launcher: two steps of a tiny GPT.
-    run(deadpool, "run", "--workers", "1", "--spares", "0", "--out", str(tmp_path / "run"), where["example"],
-        "--steps", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "2")
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["exit_code"], summary["final_step"]) == (0, 2)
+    # The README's demo, run from the installed package, shortened: rank 1 SIGKILLed in step 2's backward pass,
+    # its spare takes over, and the run ends bit for bit as the same job without the failure.
+    printed = run(deadpool, "demo", "--workers", "2", "--spares", "1", "--steps", "4", "--fail-at", "2",
+                  "--fail-rank", "1", "--out", str(tmp_path / "demo"))
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert (summary["exit_code"], summary["final_step"], summary["swaps"]) == (0, 4, 1)
+    assert [r["failed_rank"] for r in summary["recoveries"]] == [1] and summary["faults_not_fired"] == []
+    assert summary["bitwise_equal"] and summary["loss_sequence_equal"]
+    assert summary["final_state_sha256"] == summary["reference_state_sha256"]
+    reference = json.loads((tmp_path / "demo" / "reference" / "summary.json").read_text())
+    assert (reference["swaps"], reference["final_state_sha256"]) == (0, summary["final_state_sha256"])
+    assert "bitwise_equal: true" in printed and "recovery in generation 1: " in printed

@@ -47,7 +47,8 @@ def test_a_usage_error_stops_the_job_as_the_scripts_own_naming_what_to_change(tm
 def test_session_replaying_is_true_exactly_for_the_steps_run_again_after_a_swap(tmp_path):
     """Snapshots every 4 steps, rank 1 killed in step 7: both ranks (the spare too) run the steps after the
     restored snapshot (4, or 0 if rank 1's copy of 4 was still on its way) again, and see session.replaying
-    there only: as many steps as summary.json's steps_replayed."""
+    there only: as many steps as summary.json's steps_replayed. The first step after the recovery is
+    snapshotted although the interval would skip it."""
     job = tiny(tmp_path, steps=8, workers=2, snapshot_every=4,
                faults=(Fault(kind="kill", rank=1, step=7, phase="backward"),))
     assert job.code == 0 and job.summary["swaps"] == 1
@@ -57,6 +58,10 @@ def test_session_replaying_is_true_exactly_for_the_steps_run_again_after_a_swap(
     seen = {(e["proc"], e["step"]) for e in job.named("replaying")}
     assert seen == {(proc, step) for proc in ("w0", "s0") for step in replayed}
     assert {(e["proc"], e["step"]) for e in job.named("step") if e["replay"]} == seen
+    # the first step after the recovery is snapshotted whatever the interval, then every 4th again
+    first = recovery["restored_step"] + 1
+    after = sorted({e["step"] for e in job.named("snapshot") if e["gen"] == recovery["generation"]})
+    assert after == [first] + [s for s in range(first + 1, 9) if s % 4 == 0], after
 
 
 def test_a_step_function_returning_nothing_gets_its_losses_from_session_log(tmp_path):

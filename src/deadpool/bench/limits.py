@@ -47,7 +47,7 @@ class Bandwidths:
 
     memcpy: float
     hash: float           # the hash snapshots use (`hash_name`)
-    crc32: float          # zlib's, the fallback (and the hash before xxHash)
+    crc32: float          # zlib's, the hash before xxHash (for comparison)
     copy_and_hash: float  # digest.copy_hashed: both in one pass
     loopback: float       # TCP over 127.0.0.1, one sender and one receiver: bytes per second of wall time
     loopback_cpu: float   # the same stream: bytes per CPU-second of both ends together (what the bound uses)

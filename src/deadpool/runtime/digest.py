@@ -4,9 +4,8 @@ xxHash3 (64-bit) runs at memory speed (tens of GB/s per core), so hashing a chun
 while it is still in cache, costs little more than the copy. It is taken over fixed blocks (`Blocked`:
 the xxh3 of each BLOCK of the stream, then the xxh3 of those), so that where cores are spare (a GPU
 host's) the blocks are hashed on several threads at once, and the value does not depend on how many.
-zlib's CRC-32 (1.5-2.5 GB/s here) is the fallback where the `xxhash` package is missing. Both sides of a
-replica stream must use the same hash: one installation per job (a holder with the other hash rejects
-every replica, loudly).
+`xxhash` is a dependency; zlib's CRC-32 (1.5-2.5 GB/s here), the hash before it, is kept only to verify
+checkpoints written with it.
 
 Values are signed 64-bit integers, so they travel in the int64 fields of a replica's header and ack.
 """
@@ -22,11 +21,7 @@ from functools import lru_cache
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
-
-try:
-    import xxhash
-except ImportError:
-    xxhash = None  # type: ignore[assignment]
+import xxhash
 
 CHUNK = 2 * 2**20  # copied, then hashed while still in cache (L2 is 1-2 MB per core, L3 a few MB more)
 DEVICE_CHUNK = 32 * 2**20  # from a GPU: one copy's completion is waited for and hashed per piece (~0.6 ms of PCIe)
@@ -105,7 +100,8 @@ def _outer(blocks: list[list[int] | Future[list[int]]], part: xxhash.xxh3_64 | N
 
 
 class Crc32:
-    """zlib's CRC-32 behind xxhash's streaming interface: the fallback."""
+    """zlib's CRC-32 behind xxhash's streaming interface, the hash before xxh3: kept to verify checkpoints
+    written with it."""
 
     def __init__(self) -> None:
         self.crc = 0
@@ -143,30 +139,26 @@ def hash_pool() -> tuple[Executor, int] | None:
     may use, at most MAX_HASH_THREADS, and none below two (on a small machine the training's threads
     need every core, and a handoff would only add work)."""
     threads = min(MAX_HASH_THREADS, len(os.sched_getaffinity(0)) // 4)
-    if threads < 2 or xxhash is None:
+    if threads < 2:
         return None
     return ThreadPoolExecutor(threads, thread_name_prefix="deadpool-hash"), threads
 
 
 def new_hasher(parallel: bool = False) -> Hasher:
-    """Blocked xxh3 when the package is there, CRC-32 otherwise (the one place the choice is made).
-    `parallel`: its blocks are hashed on the process's hash threads (hash_pool), where it has any."""
-    if xxhash is None:
-        return Crc32()
+    """Blocked xxh3, the hash of every slot and replica. `parallel`: its blocks are hashed on the process's
+    hash threads (hash_pool), where it has any."""
     pool = hash_pool() if parallel else None
     return Blocked(*pool) if pool is not None else Blocked()
 
 
 def hash_name() -> str:
-    return f"xxh3_64/{BLOCK >> 20}MiB" if xxhash is not None else "crc32"
+    return f"xxh3_64/{BLOCK >> 20}MiB"
 
 
 def hasher_named(name: str) -> Hasher:
     """A hasher for bytes hashed elsewhere with hash `name` (a checkpoint on disk says which); ValueError if
-    this installation cannot compute it."""
-    known: dict[str, Callable[[], Hasher]] = {"crc32": Crc32}
-    if xxhash is not None:
-        known.update({hash_name(): Blocked, "xxh3_64": Xxh3})
+    it is none DeadPool ever wrote."""
+    known: dict[str, Callable[[], Hasher]] = {hash_name(): Blocked, "xxh3_64": Xxh3, "crc32": Crc32}
     if name not in known:
         raise ValueError(f"hash {name!r} is unknown to this DeadPool (it computes {', '.join(sorted(known))})")
     return known[name]()

@@ -18,7 +18,7 @@ arena) and acknowledges the sender's digest, which it checks before a recovery u
 for any replica. A holder that cannot map it acknowledges with ok = -1 and the sender streams it instead,
 from then on.
 
-The digest (runtime/digest.py: blocked xxh3_64, or CRC-32 without xxhash) travels as a signed int64, in a frame
+The digest (runtime/digest.py: blocked xxh3_64) travels as a signed int64, in a frame
 whose MAC proves it came from the job; the data, which it covers, travels raw. The header carries what
 the holder needs before the data, so it neither parses the metadata (tens of kB of JSON for a real model)
 nor asks the store which step is committed: `replaced` is the step the sender's own slot held before

@@ -2,12 +2,13 @@
 
 - it reads its identity from torchrun's variables and from torch.distributed's default group, and asserts
   they agree with the session's, in every generation;
-- it never seeds Python's or NumPy's RNGs, yet draws from both in every step (scaled into the loss);
+- it never seeds Python's or NumPy's RNGs, yet draws from both in every step (scaled into the loss, and logged);
 - it all-reduces a metric and waits at a barrier on the default group in every step;
-- rank 0 alone calls session.stop() at a step that depends on the data (all ranks must stop there too);
+- it runs until session.stop() (no --steps: session.run(steps=None)), and rank 0 alone calls stop() at a step
+  that depends on the data (all ranks must stop there too);
 - after run() it uses the default group once more and destroys it, as scripts do after DDP.
 
-Usage: script_habits.py --steps N [--stop-after S]
+Usage: script_habits.py [--steps N] [--stop-after S]
 """
 
 import argparse
@@ -27,7 +28,8 @@ from model import GPT, GPTConfig  # noqa: E402
 import deadpool  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, required=True)
+parser.add_argument("--steps", type=int, default=None)
+LAST = 100  # a stop that never comes fails the run here, instead of training on
 parser.add_argument("--stop-after", type=int, default=6)
 args = parser.parse_args()
 
@@ -56,7 +58,11 @@ session.register(optimizer=optimizer, data=sampler)
 def train_step(step: int) -> torch.Tensor:
     check_identity()
     x, y = make_batch(tokens, sampler.next_batch(), 32)
-    noise = random.random() * float(np.random.rand())  # unseeded generators: DeadPool seeds them
+    if step > LAST:
+        raise RuntimeError(f"session.stop() was never called by step {LAST}")
+    drawn, drawn_np = random.random(), float(np.random.rand())  # unseeded generators: DeadPool seeds them
+    session.log("drawn", step=step, python=drawn, numpy=drawn_np)
+    noise = drawn * drawn_np
     _, loss = model(x, y)
     (loss * (1.0 + 1e-3 * noise)).backward()
     optimizer.step()

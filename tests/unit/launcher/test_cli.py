@@ -82,6 +82,10 @@ def test_run_defaults():
                                snapshot_budget=0.01, backlog_policy="wait", settle_s=0.05, hang_timeout_s=None,
                                recovery_timeout_s=30.0, collective_timeout_s=60.0, faults=())
     assert args.command == "run" and args.out is None
+    # the defaults the README states, as literals (the comparison above takes the rest from JobConfig itself)
+    assert (config.seed, config.slices, config.on_divergence, config.deterministic, config.silence_timeout_s,
+            config.persist_every, config.keep, config.stop_grace_s, config.node_timeout_s,
+            config.replicas) == (0, True, "stop", True, 1.5, 10, 2, 20.0, 5.0, 1)
 
 
 def test_run_with_every_option():

@@ -143,17 +143,18 @@ def test_the_lead_region_may_end_inside_a_piece():
     assert digest.finish(b"x") == (int64(blocked(data[:300].tobytes())), int64(blocked(data.tobytes() + b"x")))
 
 
-def test_crc32_fallback_streams_like_zlib():
+def test_crc32_of_older_checkpoints_streams_like_zlib():
     data = memoryview(bytes(range(200)))
     digest = Digest(lead_nbytes=50, hasher=Crc32())
     digest.update(data)
     assert digest.finish(b"m") == (zlib.crc32(data[:50]), zlib.crc32(b"m", zlib.crc32(data)))
 
 
-def test_the_hasher_is_xxh3_when_installed_and_crc32_without(monkeypatch):
+def test_the_hasher_is_blocked_xxh3_and_older_checkpoints_hashes_are_still_known():
     assert isinstance(new_hasher(), Blocked) and digest_module.hash_name() == "xxh3_64/1MiB"
-    monkeypatch.setattr(digest_module, "xxhash", None)
-    assert isinstance(new_hasher(), Crc32) and digest_module.hash_name() == "crc32"
+    assert [type(hasher_named(name)) for name in ("xxh3_64/1MiB", "xxh3_64", "crc32")] == [Blocked, Xxh3, Crc32]
+    with pytest.raises(ValueError, match="hash 'md5' is unknown"):
+        hasher_named("md5")
 
 
 def test_hashes_fit_an_int64_field_with_their_bits():
