@@ -1,5 +1,5 @@
-"""A non-editable install (a wheel) runs `deadpool demo`, `deadpool bench` and the example without the repository:
-the example GPT and the baselines' imports resolve inside the installed package."""
+"""A non-editable install (a wheel) runs `deadpool demo` (shortened) without the repository, and `deadpool bench`'s
+commands start there: the example GPT and the baselines' imports resolve inside the installed package."""
 
 from __future__ import annotations
 
