@@ -69,9 +69,9 @@ def summary_in(cwd: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def run_plain(cwd: Path, *argv: str | Path, code: int = 0) -> tuple[str, dict]:
-    """Runs a command with no DeadPool environment in `cwd`; returns its output and its run's summary."""
-    done = subprocess.run([str(a) for a in argv], cwd=cwd, env=plain_env(), capture_output=True, text=True,
+def run_plain(cwd: Path, *argv: str | Path, code: int = 0, **env: str) -> tuple[str, dict]:
+    """Runs a command with no DeadPool environment (but `env`) in `cwd`; returns its output and its run's summary."""
+    done = subprocess.run([str(a) for a in argv], cwd=cwd, env=plain_env(**env), capture_output=True, text=True,
                           timeout=120)
     assert (done.returncode == 0) == (code == 0), done.stdout + done.stderr
     return done.stdout, summary_in(cwd)
@@ -110,9 +110,13 @@ def test_torchrun_runs_the_example_as_deadpool_run_does(tmp_path: Path, torchrun
 
 def test_torchrun_runs_the_port_to_the_end(tmp_path: Path) -> None:
     """The port under plain torchrun (its weights equal `deadpool run`'s as the example's hashes do above, and
-    torchrun DDP's as test_real_scripts shows): every iteration printed once, the final weights saved."""
+    torchrun DDP's as test_real_scripts shows): every iteration printed once, the final weights saved; the
+    secret's file in the private temporary directory is gone once rank 0 has exited."""
+    private = tmp_path / "tmp"
+    private.mkdir()
     out, summary = run_plain(tmp_path, *torchrun_two_ranks_of(PORT), *TINY_PORT,
-                             "--out-dir", tmp_path / "out")
+                             "--out-dir", tmp_path / "out", TMPDIR=str(private))
+    assert list((private / f"deadpool-{os.getuid()}").iterdir()) == []  # it held torchrun-RUNID.secret
     assert [f"iter {i}: loss" in out for i in range(3)] == [True] * 3
     assert (summary["exit_code"], summary["final_step"], len(summary["rank_state_sha256"])) == (0, 3, 2)
     assert (tmp_path / "out" / "final.pt").is_file()

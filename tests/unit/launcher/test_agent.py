@@ -91,3 +91,18 @@ def test_the_agent_calls_its_wake_up_as_soon_as_a_child_exits(tmp_path):
     agent.fence("w0")
     assert exited.wait(10.0) and child.popen.poll() == -9
     assert [c.name for c in agent.poll()] == ["w0"]
+
+
+def test_an_idle_spare_that_fails_has_its_held_back_output_shown(tmp_path):
+    """A spare's traceback must be seen even though it never took a rank: its held lines go out, labelled."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('the banner', flush=True)\nsys.exit('a spare that cannot start')\n")
+    echo = io.StringIO()
+    agent = Agent(JobConfig(script=str(script), workers=1, spares=1, run_dir=str(tmp_path)), tmp_path / "c.json",
+                  echo=echo)
+    agent.spawn("s0", "spare", 1)
+    deadline = time.monotonic() + 30
+    while "cannot start" not in echo.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert echo.getvalue() == "[s0] the banner\n[s0] a spare that cannot start\n"
+    agent.stop_all(grace_s=30)

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from deadpool.errors import AuthenticationError, ControlPlaneError, StoreTimeout
+from deadpool.protocol import store as store_module
 from deadpool.protocol import wire
 from deadpool.protocol.store import StoreClient, StoreServer, Table
 
@@ -152,6 +153,22 @@ def test_a_forged_or_oversized_frame_closes_the_connection(server):
     assert [why for _, why in wait_refusals(server, 2)] == [
         "a frame's MAC is wrong (forged, or from another connection)",
         f"a frame of {wire.MAX_FRAME + 1} bytes is not a frame of this protocol"]
+
+
+def test_a_connection_that_never_proves_itself_is_dropped_after_the_handshake_time(server, monkeypatch):
+    monkeypatch.setattr(store_module, "HANDSHAKE_S", 0.3)
+    with socket.create_connection(("127.0.0.1", server.port)) as silent:  # connects, says nothing
+        started = time.monotonic()
+        silent.settimeout(10)
+        while silent.recv(100):  # the server's challenge, then the close
+            pass
+        assert 0.25 < time.monotonic() - started < 5
+        client = StoreClient("127.0.0.1", server.port, SECRET, timeout_s=5)  # others are served meanwhile
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        client.close()
+    [(peer, why)] = wait_refusals(server, 1)
+    assert peer.startswith("127.0.0.1:") and why.startswith("no valid handshake (") and "timed out" in why
 
 
 def test_the_server_listens_only_on_its_address_and_says_when_the_port_is_taken(server):
