@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -79,7 +80,8 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
     the run directory but its own (mode 600); torch's client, a wrong secret and a replayed capture are
     refused and logged, can read and write nothing; the job ends bit for bit as the reference."""
     attacked = tmp_path / "attacked"  # steps paused 1 s until then: time to attack
-    job = Background(tmp_path / "run", script=SCRIPTS / "slow_steps.py",
+    printed = io.StringIO()  # what `deadpool run` prints: the processes' output, the launcher's last lines
+    job = Background(tmp_path / "run", script=SCRIPTS / "slow_steps.py", echo=printed,
                      script_prefix=("1.0", "--until", str(attacked)),
                      faults=(Fault(kind="kill", rank=1, step=99),))  # never fires: reported, disturbs nothing
     events = job.wait_for(lambda e: e["event"] == "step" and e["step"] >= 2)
@@ -116,6 +118,7 @@ def test_a_running_job_listens_on_loopback_only_and_refuses_strangers(tmp_path, 
         if path.is_file() and path.name != "secret":
             assert not leaks(secret, path.read_bytes()), path
     assert done.summary["faults_not_fired"] == ["fault kill:1:99:backward never fired: the run ended at step 10"]
+    assert "\n[deadpool] fault kill:1:99:backward never fired: the run ended at step 10\n" in printed.getvalue()
     refusals = [e["reason"] for e in done.named("control_plane_refused")]
     assert refusals[:2] == ["the client does not hold the job's secret"] * 2  # the wrong secret, the replay
     assert refusals[2:] and all(r.startswith("no valid handshake") for r in refusals[2:])  # torch's client retries

@@ -116,7 +116,7 @@ def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_pat
     assert done.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
 
 
-def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_workers_goes_on(tmp_path):
+def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_workers_goes_on(tmp_path, capsys):
     """A checkpoint of two data-parallel workers: another --seed is refused by the launcher, a model of other shapes
     by the ranks before they load it (exit 2, one line naming the difference, the checkpoint untouched); three
     workers resume it: each loads the shared parameters and optimizer state, rank 2 rank 0's own state, and the
@@ -135,8 +135,10 @@ def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_worker
         err = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(err) == 1 and re.search(says, err[0]), err
         assert {p: p.stat().st_mtime_ns for p in persist.rglob("*")} == before
+    capsys.readouterr()
     wider = run_job(tmp_path / "wider", steps=4, workers=3, spares=0, persist_dir=str(persist), resume="auto")
     assert wider.code == 0, wider.summary["error"]
+    assert "[deadpool] note: the checkpoint was written by 2 workers, this job has 3: " in capsys.readouterr().err
     assert first.summary["checkpoints"][-1]["step"] == wider.summary["resumed_from"]["step"] == 2
     assert sorted(e["rank"] for e in wider.named("resumed_from_disk")) == [0, 1, 2]
     assert {e["step"] for e in wider.named("step")} == {3, 4}  # steps 1 and 2 are not run again
