@@ -254,13 +254,17 @@ def leave_group(deadline_s: float = LEAVE_DEADLINE_S) -> bool:
     if not dist.is_initialized():
         return True
     group: Any = dist.group.WORLD
+    device = None
     if dist.get_backend(group) == "nccl":
         group.abort()  # NCCL can abort in-flight collectives; gloo cannot
+        device = torch.cuda.current_device()
     dist.destroy_process_group()
     last = [group]
     del group
 
     def drop() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)  # this thread's first CUDA call: never a stray context on GPU 0
         last.clear()
         gc.collect()
 
