@@ -15,6 +15,7 @@ import torch.distributed as dist
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
 from deadpool.launcher.launch import launch
+from deadpool.runtime.heap import USER_TUNABLES
 
 from .conftest import REPO, SMALL, TRAIN, Background, alive, job_events
 
@@ -47,6 +48,30 @@ def test_every_process_start_is_recorded(tmp_path, reference):
         "w0": ("worker", 0), "w1": ("worker", 1), "w2": ("worker", 2), "w3": ("worker", 3), "s0": ("spare", None)}
     started = {e["proc"]: e["pid"] for e in reference.named("process_start")}
     assert started == {p: e["pid"] for p, e in spawned.items()}
+
+
+def test_the_events_carry_the_fields_the_readme_documents(reference):
+    """What `events.jsonl` says of the reference job (4 workers, a spare on the same machine, a snapshot every
+    step), field by field as the README describes them."""
+    [start] = reference.named("job_start")
+    assert (start["workers"], start["spares"], start["devices"]) == (4, 1, [None] * 5) and start["placement"]
+    assert sorted((e["proc"], e["world_size"], e["device"]) for e in reference.named("group_joined")) == [
+        (f"w{r}", 4, "cpu") for r in range(4)]
+    told = [name for name in USER_TUNABLES if name in os.environ]
+    heaps = {e["heap"] for e in reference.named("process_start")}
+    assert len(heaps) == 1 and heaps.pop().startswith("left as the environment sets it" if told else "kept (")
+    for rank in range(4):
+        steps = [e for e in reference.named("step") if e["rank"] == rank]
+        assert [e["step"] for e in steps] == list(range(1, 11))
+        assert all(e["wait_s"] >= 0 for e in steps)
+        # the step function's own time: less than from one step's end to the next (capture and agreement between)
+        assert all(0 < b["dur_s"] < b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
+        snapshots = [e for e in reference.named("snapshot") if e["rank"] == rank]
+        assert [e["step"] for e in snapshots] == list(range(0, 11))  # the initial state too
+        for e in snapshots:
+            assert 0 <= e["landed_s"] <= e["copy_s"] <= e["total_s"] - e["slot_wait_s"] and e["cpu_s"] > 0
+            assert 0 < e["held"] < e["bytes"] and e["slice"] is not None and e["hash"] == "xxh3_64/1MiB"
+            assert (e["holders"], e["sent"]) == (["s0"], 0)  # the spare maps the slot: no byte is sent
 
 
 def test_a_spare_killed_while_holding_replicas_loses_nothing(tmp_path, reference):

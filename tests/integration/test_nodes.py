@@ -213,6 +213,33 @@ def test_coordinator_and_agents_started_apart(tmp_path, reference):
                 proc.wait(10)
 
 
+def test_of_two_agents_started_with_one_node_rank_one_is_refused(tmp_path):
+    """Both connect at once to a coordinator waiting for 2 nodes: the claim of a node number is atomic, so
+    exactly one of them becomes node 0 and the other exits 2 saying why (the job itself never starts)."""
+    port = _free_port()
+    secret = str(write_secret(tmp_path / "secret", new_secret()))
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "deadpool.launcher.cli", "coordinator", "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--secret-file", secret, "--out", str(tmp_path / "run"), str(TRAIN),
+         "--steps", "2", *SMALL], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agents = [subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "agent", "--coordinator",
+                                f"127.0.0.1:{port}", "--node-rank", "0", "--secret-file", secret],
+                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while all(agent.poll() is None for agent in agents) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [refused] = [agent for agent in agents if agent.poll() is not None]
+        assert refused.returncode == 2
+        assert "node 0 has already joined this job: give each agent its own --node-rank" in refused.communicate(10)[1]
+    finally:
+        for proc in (coordinator, *agents):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
 def test_an_agent_that_cannot_reach_its_coordinator_says_so(tmp_path):
     port = _free_port()
     secret = str(write_secret(tmp_path / "secret", new_secret()))

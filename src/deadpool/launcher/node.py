@@ -4,6 +4,7 @@ The coordinator and its agents talk only through the coordinator's store (no oth
 agent can run on any host that reaches it (`deadpool agent --coordinator HOST:PORT`):
 
     agent                                         coordinator (coordinator/nodes.py)
+    count(node/{n}/claim) == 1, or refused
     NodeHello at node/{n}                   -->   waits until every node joined; nodes 0..M-1 work, the rest
                                                   are spares (rank r runs on node r // nproc-per-node)
     (--spare: n = job's nodes + count(nodes/joined) - 1, then node/{n} as above: a spare node joins the
@@ -95,7 +96,7 @@ class NodeAgent:
         that loses its coordinator (no answer within the store's timeout) stops its node's processes: the
         coordinator has replaced them by then."""
         keys, plane = self.keys, self.plane
-        if plane.has(keys.node(self.node)):
+        if plane.count(keys.node_claim(self.node)) != 1:  # atomic: of two agents started at once, one is refused
             raise ConfigError(f"node {self.node} has already joined this job: give each agent its own --node-rank "
                               "(a machine that stands in for a lost node joins with --spare)")
         plane.put(keys.node(self.node), NodeHello(self.node, socket.gethostname(), os.getpid()))

@@ -112,6 +112,10 @@ class Keys:
     def node(self, node: int) -> str:
         return self._k(f"node/{node}")
 
+    def node_claim(self, node: int) -> str:
+        """A counter: the agent that adds the first one is node `node`'s; any other with that number is refused."""
+        return self._k(f"node/{node}/claim")
+
     def nodes_joined(self) -> str:
         """A counter: each agent that joins a running job as a spare node (`--spare`) adds one and takes the
         next node number after the job's own nodes."""

@@ -152,7 +152,8 @@ def test_the_reports_the_coordinator_waits_on_wake_it_and_nothing_else_does():
     keys = Keys("t")
     reports = [keys.durable(3, 1), keys.ready(0, 2), keys.resumed(1, 0), keys.started("w0"), keys.script_error("s0"),
                keys.exited("w1"), keys.node_exit(2, "w3"), keys.nodes_joined(), keys.persisted("s0")]
-    others = [keys.heartbeat("w0"), keys.alive("w0"), keys.node_beat(1), keys.node(1), keys.committed(0),
+    others = [keys.heartbeat("w0"), keys.alive("w0"), keys.node_beat(1), keys.node(1), keys.node_claim(1),
+              keys.committed(0),
               keys.status(), Keys.listening(keys.pair_prefix(0, 1, "s0")), keys.plan(1), keys.fault_fired(0),
               Keys("u").durable(3, 1)]  # another job's report
     assert [k for k in reports if not keys.is_report(k)] == []
