@@ -13,16 +13,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/gpu-check}"
 PYTHON="${PYTHON:-python3}"
-"$PYTHON" -c 'import numpy, torch; assert torch.cuda.is_available(), "no GPU visible"' \
-  || { echo "gpu_check: needs python3 with torch (CUDA) and numpy" >&2; exit 2; }
+"$PYTHON" -c 'import numpy, torch, xxhash; assert torch.cuda.is_available(), "no GPU visible"' \
+  || { echo "gpu_check: needs python3 with torch (CUDA), numpy and xxhash (pip install xxhash)" >&2; exit 2; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-# First the unit tests marked `gpu` (they skip where no GPU is), where this Python has pytest and xxhash.
+# First the unit tests marked `gpu` (they skip where no GPU is), where this Python has pytest.
 tests=0
-if "$PYTHON" -c 'import pytest, xxhash' 2>/dev/null; then
+if "$PYTHON" -c 'import pytest' 2>/dev/null; then
   timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -m gpu \
     tests/unit/runtime/test_digest.py tests/unit/runtime/test_slots.py || tests=$?
 else
-  echo "gpu_check: $PYTHON lacks pytest or xxhash: the unit tests marked gpu did not run" >&2
+  echo "gpu_check: $PYTHON lacks pytest: the unit tests marked gpu did not run" >&2
 fi
 timeout 330 "$PYTHON" scripts/gpu_check.py --out "$OUT"
 [ "$tests" -eq 0 ] || { echo "gpu_check: the unit tests marked gpu failed (pytest exit $tests)" >&2; exit 1; }
