@@ -216,7 +216,7 @@ def test_leaving_a_group_blocked_on_a_live_peer_takes_at_most_the_deadline():
         proc.start()
     try:
         _, seconds, left = out.get(timeout=30).split()
-        assert left == "False" and 1.0 <= float(seconds) < 3.0
+        assert left == "False" and 0.9 < float(seconds) < 3.0
         after = sorted(out.get(timeout=30) for _ in procs)
         assert after == ["rank 0 True 3", "rank 1 False 3"]
     finally:
