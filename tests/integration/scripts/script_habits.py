@@ -27,9 +27,10 @@ from model import GPT, GPTConfig  # noqa: E402
 
 import deadpool  # noqa: E402
 
+LAST = 100  # without --steps, a stop that never comes fails the run here instead of training on
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=None)
-LAST = 100  # a stop that never comes fails the run here, instead of training on
 parser.add_argument("--stop-after", type=int, default=6)
 args = parser.parse_args()
 
@@ -57,9 +58,9 @@ session.register(optimizer=optimizer, data=sampler)
 
 def train_step(step: int) -> torch.Tensor:
     check_identity()
-    x, y = make_batch(tokens, sampler.next_batch(), 32)
     if step > LAST:
         raise RuntimeError(f"session.stop() was never called by step {LAST}")
+    x, y = make_batch(tokens, sampler.next_batch(), 32)
     drawn, drawn_np = random.random(), float(np.random.rand())  # unseeded generators: DeadPool seeds them
     session.log("drawn", step=step, python=drawn, numpy=drawn_np)
     noise = drawn * drawn_np
