@@ -139,7 +139,11 @@ class Watch:
         """Blocks in the store until this generation's abort is written (not a poll: a few requests a second
         per rank instead of one per poll interval, and the abort is seen at once). A watch closed meanwhile
         ends it within ABORT_SLICE_S; an abort that comes after the close is not this watch's to act on."""
-        client = connect(self.ctx.config)  # a blocking wait: on a connection of its own, closed when it ends
+        try:
+            client = connect(self.ctx.config)  # a blocking wait: on a connection of its own, closed when it ends
+        except Exception as error:  # the store went away (or was replaced) before this thread got to it
+            self._ended(error)
+            return
         try:
             plane = ControlPlane(client)
             plane.wait([self.inc.abort_key()], float("inf"), give_up=self._closed.is_set, slice_s=ABORT_SLICE_S)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tests.plane import control_plane
@@ -65,6 +66,30 @@ def test_a_closed_watch_ignores_a_later_abort_and_its_thread_ends(tmp_path):
         ours.join(5.0)
         assert not ours.is_alive()
         assert aborts == [] and not watch.aborted()
+
+
+def test_a_store_gone_before_the_abort_wait_connects_ends_the_watch_quietly(tmp_path):
+    """The abort wait opens a connection of its own when its thread starts; if the store is gone (or another
+    job's now listens there) it says so in the events and ends, with no traceback from a dying thread."""
+    with control_plane(tmp_path) as (_, fields):
+        ctx = _context(tmp_path, fields)
+    (tmp_path / "other").mkdir()
+    with control_plane(tmp_path / "other") as (_, other):  # what now answers may be another job's store
+        ctx.config = replace(ctx.config, store_port=other["store_port"])
+        escaped: list[threading.ExceptHookArgs] = []
+        previous, threading.excepthook = threading.excepthook, escaped.append
+        try:
+            before = set(threading.enumerate())
+            watch, _ = _watch(tmp_path, fields, [], ctx=ctx)
+            [ours] = [t for t in threading.enumerate() if t not in before and t.name == "deadpool-abort-g0"]
+            ours.join(10.0)
+        finally:
+            threading.excepthook = previous
+        assert not ours.is_alive() and escaped == []
+        watch.close()
+    ended = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["error"] for e in ended if e["event"] == "watch_ended"] == [
+        "the coordinator refused this process's secret (a secret of another job?)"]
 
 
 def test_the_heartbeat_goes_out_every_beat_period_however_often_the_progress_moves(tmp_path):
