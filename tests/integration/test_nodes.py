@@ -207,10 +207,7 @@ def test_coordinator_and_agents_started_apart(tmp_path, reference):
         assert "waiting for 3 node agents" in output
         assert_same_training(Job(out, 0, _summary(out)), reference)
     finally:
-        for proc in (coordinator, *agents):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        _kill_left(coordinator, *agents)
 
 
 def test_of_two_agents_started_with_one_node_rank_one_is_refused(tmp_path):
@@ -234,10 +231,7 @@ def test_of_two_agents_started_with_one_node_rank_one_is_refused(tmp_path):
         assert refused.returncode == 2
         assert "node 0 has already joined this job: give each agent its own --node-rank" in refused.communicate(10)[1]
     finally:
-        for proc in (coordinator, *agents):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        _kill_left(coordinator, *agents)
 
 
 def test_an_agent_that_cannot_reach_its_coordinator_says_so(tmp_path):
@@ -249,6 +243,14 @@ def test_an_agent_that_cannot_reach_its_coordinator_says_so(tmp_path):
     assert done.returncode == 2
     assert f"cannot reach the coordinator at 127.0.0.1:{port}" in done.stderr
     assert "is `deadpool coordinator` running there?" in done.stderr
+
+
+def _kill_left(*procs: subprocess.Popen) -> None:
+    """SIGKILLs whichever of `procs` a failed test left running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def _free_port() -> int:

@@ -62,13 +62,22 @@ def test_a_process_with_a_gpu_has_it_as_its_local_rank():
     config = replace(CONFIG, gpus_per_node=3)
     assert [env_of(config, n, role, r)["LOCAL_RANK"] for n, role, r in
             [("w0", "worker", 0), ("w1", "worker", 1), ("s0", "spare", 2), ("s1", "spare", 3)]] == ["0", "1", "2", "3"]
-def test_an_idle_spares_output_is_held_back_in_its_log_until_it_takes_a_rank(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text("import time\nprint('the banner', flush=True)\ntime.sleep(1)\nprint('training')\n")
+
+
+def _idle_spare(tmp_path: Path, script: str) -> tuple[Agent, io.StringIO]:
+    """An agent of a one-worker job that has started spare s0 running `script`; the console it prints to."""
+    path = tmp_path / "train.py"
+    path.write_text(script)
     echo = io.StringIO()
-    agent = Agent(JobConfig(script=str(script), workers=1, spares=1, run_dir=str(tmp_path)), tmp_path / "c.json",
+    agent = Agent(JobConfig(script=str(path), workers=1, spares=1, run_dir=str(tmp_path)), tmp_path / "c.json",
                   echo=echo)
     agent.spawn("s0", "spare", 1)
+    return agent, echo
+
+
+def test_an_idle_spares_output_is_held_back_in_its_log_until_it_takes_a_rank(tmp_path):
+    agent, echo = _idle_spare(tmp_path, "import time\nprint('the banner', flush=True)\n"
+                                        "time.sleep(1)\nprint('training')\n")
     log, deadline = tmp_path / "logs" / "s0.log", time.monotonic() + 30
     while not (log.exists() and "the banner" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -95,12 +104,8 @@ def test_the_agent_calls_its_wake_up_as_soon_as_a_child_exits(tmp_path):
 
 def test_an_idle_spare_that_fails_has_its_held_back_output_shown(tmp_path):
     """A spare's traceback must be seen even though it never took a rank: its held lines go out, labelled."""
-    script = tmp_path / "train.py"
-    script.write_text("import sys\nprint('the banner', flush=True)\nsys.exit('a spare that cannot start')\n")
-    echo = io.StringIO()
-    agent = Agent(JobConfig(script=str(script), workers=1, spares=1, run_dir=str(tmp_path)), tmp_path / "c.json",
-                  echo=echo)
-    agent.spawn("s0", "spare", 1)
+    agent, echo = _idle_spare(tmp_path, "import sys\nprint('the banner', flush=True)\n"
+                                        "sys.exit('a spare that cannot start')\n")
     deadline = time.monotonic() + 30
     while "cannot start" not in echo.getvalue() and time.monotonic() < deadline:
         time.sleep(0.01)
