@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from deadpool.config import Fault
+from deadpool.disk import listing, verify
 
 from .conftest import REPO, SCRIPTS, SMALL, TRAIN, Background, alive, job_events, run_job
 
@@ -144,6 +145,41 @@ def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_worker
     assert {e["step"] for e in wider.named("step")} == {3, 4}  # steps 1 and 2 are not run again
     seen = [i for _, samples in sorted(first.batches().items()) + sorted(wider.batches().items()) for i in samples]
     assert len(seen) == 2 * 2 * 4 + 2 * 3 * 4 and len(set(seen)) == len(seen)  # nothing lost, nothing twice
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_set_aside_and_its_step_written_again(tmp_path, capsys):
+    """A flipped byte in the newest checkpoint: `--resume auto` says so and starts from the one before; the damaged
+    one is set aside (left in place, its step would count as written by the new run) and that step is written
+    again, intact, with the very snapshots the damaged one held (each rank's hash in the manifests)."""
+    persist = tmp_path / "ckpt"
+    job = dict(steps=3, workers=2, spares=0, persist_dir=str(persist), persist_every=1,
+               script=SCRIPTS / "slow_steps.py", script_prefix=("0.1",))  # time to write a step before the next
+    first = run_job(tmp_path / "first", **job)
+    assert first.code == 0 and first.summary["checkpoints"][-1]["step"] == 3
+    damaged = persist / "step-0000000003"
+    [(newest, _), (before, _)] = listing(persist, "step")  # --keep 2; 0, 1 or 2: an order in flight defers the next
+    assert newest == 3
+    data = max(damaged.rglob("*.distcp"), key=lambda f: f.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(raw)
+    capsys.readouterr()
+    second = run_job(tmp_path / "second", resume="auto", **job)
+    assert second.code == 0, second.summary["error"]
+    assert second.summary["resumed_from"]["step"] == before
+    [skipped] = second.named("checkpoint_skipped")
+    assert skipped["path"] == str(damaged) and skipped["reason"].endswith("hash (corrupted)")
+    aside = persist / "step-0000000003.set-aside"
+    [moved] = second.named("checkpoint_set_aside")
+    assert (moved["path"], moved["to"]) == (str(damaged), str(aside))
+    err = capsys.readouterr().err
+    assert f"[deadpool] skipped checkpoint {damaged}: {skipped['reason']}" in err
+    assert f"[deadpool] set aside checkpoint {damaged} as {aside.name}: newer than step {before}" in err
+    assert second.summary["checkpoints"][-1]["step"] == 3
+    assert verify(damaged) is None and "corrupted" in (verify(aside) or "")
+    crcs = [{r: e["crc"] for r, e in json.loads((d / "manifest.json").read_text())["ranks"].items()}
+            for d in (damaged, aside)]
+    assert crcs[0] == crcs[1] and len(crcs[0]) == 2
 
 
 def test_with_no_spare_left_the_newest_commit_is_persisted_and_the_command_to_go_on_printed(tmp_path):

@@ -21,7 +21,7 @@ from deadpool.events import EventLog
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
-from deadpool.launcher.resume import discard_newer, on_sigterm, reshard_note, resolve
+from deadpool.launcher.resume import on_sigterm, reshard_note, resolve, set_aside_newer
 from deadpool.protocol.keys import CONFIG_KEY, Keys
 from deadpool.protocol.nodes import NodeHello
 from deadpool.protocol.plane import ControlPlane
@@ -123,12 +123,16 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     if not devices.ok:
         raise ConfigError(devices.reason)
     skipped: list[tuple[str, str]] = []  # damaged checkpoints --resume passed over, logged once events exist
+    moved: list[tuple[Path, Path]] = []  # newer checkpoints set aside, this run writing their steps again
     if config.resume:
         path, step = resolve(config, lambda p, why: skipped.append((str(p), why)))
-        discard_newer(config, step)
+        moved = set_aside_newer(config, step)
         config = replace(config, resume=str(path))
         for p, why in skipped:
             print(f"[deadpool] skipped checkpoint {p}: {why}", file=sys.stderr, flush=True)
+        for old, aside in moved:
+            print(f"[deadpool] set aside checkpoint {old} as {aside.name}: newer than step {step}, which this run "
+                  "resumes from and writes again", file=sys.stderr, flush=True)
         if echo is not None:
             print(f"[deadpool] resuming from {path} (step {step})", file=echo, flush=True)
         note = reshard_note(json.loads((path / "manifest.json").read_text()), config)
@@ -145,6 +149,8 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
         store.on_refused = log_refusals(events)
         for p, why in skipped:
             events.emit("checkpoint_skipped", path=str(p), reason=why)
+        for old, aside in moved:
+            events.emit("checkpoint_set_aside", path=str(old), to=str(aside))
         config = replace(config, store_port=store.port, token=config.token or secrets.token_hex(8),
                          secret_file=str(Path(config.secret_file).resolve() if config.secret_file else
                                          write_secret(run_dir.resolve() / "secret", secret)),

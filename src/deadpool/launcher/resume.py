@@ -3,6 +3,7 @@ and the launcher's SIGTERM, which asks the coordinator to persist the newest com
 
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 import shutil
@@ -71,15 +72,26 @@ def reshard_note(manifest: dict, config: JobConfig) -> str | None:
             f"the {saved}-worker job would have")
 
 
-def discard_newer(config: JobConfig, step: int) -> None:
-    """Parts of checkpoints newer than the one a job resumes from were left by the job it replaces: they are not
-    this run's, and a part found in place would count as written."""
+def set_aside_newer(config: JobConfig, step: int) -> list[tuple[Path, Path]]:
+    """Checkpoints newer than the one a job resumes from were left by the job it replaces, damaged (`auto` passed
+    over them) or superseded (an older one was named): this run writes those steps again, and one found in place
+    would count as written. Their parts are deleted; whole ones are renamed `step-N.set-aside` (kept for a look,
+    never read or pruned). Returns (old path, new path) of each renamed one."""
     from deadpool.disk import listing
 
-    if config.persist_dir and Path(config.persist_dir).is_dir():
-        for newer, path in listing(config.persist_dir, ".tmp"):
-            if newer > step:
-                shutil.rmtree(path, ignore_errors=True)
+    moved: list[tuple[Path, Path]] = []
+    if not config.persist_dir or not Path(config.persist_dir).is_dir():
+        return moved
+    for newer, path in listing(config.persist_dir, ".tmp"):
+        if newer > step:
+            shutil.rmtree(path, ignore_errors=True)
+    for newer, path in listing(config.persist_dir, "step"):
+        if newer > step:
+            names = (path.with_name(f"{path.name}.set-aside{'' if k == 1 else f'-{k}'}") for k in itertools.count(1))
+            aside = next(name for name in names if not name.exists())
+            path.rename(aside)
+            moved.append((path, aside))
+    return moved
 
 
 def resume_command(argv: list[str]) -> str:

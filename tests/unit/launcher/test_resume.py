@@ -1,9 +1,12 @@
-"""Tests for deadpool/launcher/resume.py: the command that goes on from a stopped job."""
+"""Tests for deadpool/launcher/resume.py: the command that goes on from a stopped job, and what a resume does with
+the checkpoints newer than its own."""
+
+from pathlib import Path
 
 import pytest
 
 from deadpool.config import JobConfig
-from deadpool.launcher.resume import misfits, reshard_note, resume_command
+from deadpool.launcher.resume import misfits, reshard_note, resume_command, set_aside_newer
 from deadpool.runtime.persist import source_rank
 
 
@@ -46,3 +49,21 @@ def test_another_seed_is_refused() -> None:
     manifest = _manifest(2, "replicated", JobConfig(script="train.py", run_dir="run", workers=2, seed=7))
     now = JobConfig(script="train.py", run_dir="run", workers=2)
     assert "another script or --seed" in (misfits(manifest, now) or "")
+
+
+def test_checkpoints_newer_than_the_resumed_one_are_set_aside_and_their_parts_deleted(tmp_path: Path) -> None:
+    """A resume from step 2 writes steps 3 and on again: a step-3 left in place would count as written (damaged or
+    not), so it is renamed, never deleted; parts of newer steps go; older ones, and other files, stay."""
+    for name in ("step-0000000001", "step-0000000002", "step-0000000003", "step-0000000005",
+                 "step-0000000003.set-aside", ".tmp-0000000002", ".tmp-0000000004", "notes"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text(name)
+    config = JobConfig(script="train.py", run_dir="run", workers=2, persist_dir=str(tmp_path))
+    moved = set_aside_newer(config, 2)
+    assert [(old.name, new.name) for old, new in moved] == [("step-0000000005", "step-0000000005.set-aside"),
+                                                           ("step-0000000003", "step-0000000003.set-aside-2")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp-0000000002", "notes", "step-0000000001", "step-0000000002", "step-0000000003.set-aside",
+        "step-0000000003.set-aside-2", "step-0000000005.set-aside"]
+    assert (tmp_path / "step-0000000003.set-aside-2" / "f").read_text() == "step-0000000003"  # kept whole
+    assert set_aside_newer(config, 2) == [] and set_aside_newer(JobConfig(script="t.py", run_dir="r", workers=2), 0) == []
