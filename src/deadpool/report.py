@@ -181,14 +181,25 @@ def summarize(path: Path, exit_code: int, faults: tuple[Fault, ...] = ()) -> dic
     }
 
 
+def _checkpoint(persisted: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """One checkpoint written. Parts written unordered (as the ranks finished or stopped) reported to no one: their
+    bytes and seconds are those of the parts' own events (the last of each writer)."""
+    nbytes, write_s = persisted["nbytes"], persisted["write_s"]
+    if nbytes is None:
+        parts = {(e["proc"], tuple(e["ranks"])): e for e in events
+                 if e["event"] == "persist_part" and e["step"] == persisted["step"]}
+        nbytes = sum(e["nbytes"] for e in parts.values())
+        write_s = max((e["seconds"] for e in parts.values()), default=None)
+    return {"step": persisted["step"], "path": persisted["path"], "nbytes": nbytes, "write_s": write_s,
+            "total_s": persisted["total_s"], "gbps": nbytes / write_s / 1e9 if nbytes and write_s else None}
+
+
 def disk_tier(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The checkpoints written, the one this job resumed from, and what stopped it after persisting."""
     resumed = next((e for e in events if e["event"] == "resumed_from_disk"), None)
     stopped = next((e for e in events if e["event"] == "job_stopped"), None)
     return {
-        "checkpoints": [{"step": e["step"], "path": e["path"], "nbytes": e["nbytes"], "write_s": e["write_s"],
-                         "total_s": e["total_s"], "gbps": e["gbps"]}
-                        for e in events if e["event"] == "checkpoint_persisted"],
+        "checkpoints": [_checkpoint(e, events) for e in events if e["event"] == "checkpoint_persisted"],
         "persist_failures": [{"step": e["step"], "reason": e["reason"]} for e in events
                              if e["event"] == "persist_failed"],
         "resumed_from": {"step": resumed["step"], "path": resumed["path"]} if resumed else None,

@@ -42,6 +42,8 @@ def _resumed_matches_reference(run_dir: Path, persist: Path, reference, expected
     assert job.summary["resumed_from"]["step"] == expected_step
     assert min(e["step"] for e in job.named("step")) == expected_step + 1  # nothing before it is run again
     assert job.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
+    last = job.summary["checkpoints"][-1]  # the last commit, written by the ranks as they finished
+    assert last["step"] == 10 and last["nbytes"] > 0 and last["write_s"] > 0
 
 
 def test_sigterm_persists_the_newest_commit_and_resume_is_bit_for_bit(tmp_path, reference):
@@ -59,9 +61,13 @@ def test_sigterm_persists_the_newest_commit_and_resume_is_bit_for_bit(tmp_path, 
             launcher.wait(10)
     assert launcher.returncode == 143, output
     assert "to go on: deadpool run --resume auto" in output
-    summary = json.loads((first / "summary.json").read_text())
-    stopped = [e for e in job_events(first) if e["event"] == "job_stopped"][-1]
+    summary, events = json.loads((first / "summary.json").read_text()), job_events(first)
+    [stopped] = [e for e in events if e["event"] == "job_stopped"]
     assert summary["stopped_by"] == "SIGTERM" and stopped["persisted"] == stopped["committed"] >= 4
+    [asked] = [e for e in events if e["event"] == "stop_requested"]
+    assert (asked["signal"], asked["committed"]) == ("SIGTERM", stopped["committed"])  # no commit after the stop
+    [order] = [e for e in events if e["event"] == "persist_ordered" and e["step"] == stopped["persisted"]]
+    assert order["writers"] == ["s0"] * 4  # the idle spare, which holds every rank's replica, writes them all
     assert summary["checkpoints"][-1]["step"] == stopped["persisted"]
     _resumed_matches_reference(tmp_path / "second", persist, reference, stopped["persisted"])
 
@@ -84,9 +90,14 @@ def test_a_lost_coordinator_leaves_a_checkpoint_that_resume_completes(tmp_path, 
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
-    written = [e for e in job_events(first) if e["event"] == "persist_part"]
+    events = job_events(first)
+    written = [e for e in events if e["event"] == "persist_part"]
     steps = {r: {e["step"] for e in written if e["ranks"] == [r]} for r in range(4)}
     assert all(steps.values()), steps  # every rank wrote its part on its way out
+    last_words = {e["rank"]: e for e in events if e["event"] == "terminated" and e["rank"] is not None}
+    assert sorted(last_words) == [0, 1, 2, 3] and all(e["launcher_gone"] for e in last_words.values())
+    said = {e["rank"]: e for e in events if e["event"] == "persist_on_stop"}
+    assert {r: set(e["writes"]) for r, e in said.items()} == steps  # what each said it would write, it wrote
     newest = max(set.intersection(*steps.values()))  # the newest step every rank wrote
     _resumed_matches_reference(tmp_path / "second", persist, reference, newest)
 
@@ -175,7 +186,9 @@ def test_a_damaged_newest_checkpoint_is_passed_over_set_aside_and_its_step_writt
     err = capsys.readouterr().err
     assert f"[deadpool] skipped checkpoint {damaged}: {skipped['reason']}" in err
     assert f"[deadpool] set aside checkpoint {damaged} as {aside.name}: newer than step {before}" in err
-    assert second.summary["checkpoints"][-1]["step"] == 3
+    last = second.summary["checkpoints"][-1]  # the ranks wrote it as they finished (perhaps ordered too: once)
+    parts = {e["proc"]: e["nbytes"] for e in second.named("persist_part") if e["step"] == 3}
+    assert last["step"] == 3 and last["nbytes"] == sum(parts.values()) > 0 and sorted(parts) == ["w0", "w1"]
     assert verify(damaged) is None and "corrupted" in (verify(aside) or "")
     crcs = [{r: e["crc"] for r, e in json.loads((d / "manifest.json").read_text())["ranks"].items()}
             for d in (damaged, aside)]

@@ -331,3 +331,18 @@ def test_disk_tier_lists_checkpoints_resume_and_stop(tmp_path):
                                        "total_s": 0.75, "gbps": 2e-8}]
     assert summary["persist_failures"] == [{"step": 8, "reason": "w1: disk full"}]
     assert summary["resumed_from"] == {"step": 4, "path": "/ckpt/step-4"} and summary["stopped_by"] == "SIGTERM"
+
+
+def test_a_checkpoint_the_ranks_wrote_as_they_finished_counts_their_parts(tmp_path):
+    """No writer reported to the coordinator (nbytes None): the bytes are the sum of the parts' (a part written
+    twice counts once), the seconds the slowest part's."""
+    path = tmp_path / "events.jsonl"
+    write(path, [ev("persist_part", 1.0, 0, 0, proc="w0", step=9, ranks=[0], nbytes=100, seconds=0.1),
+                 ev("persist_part", 1.1, 0, 0, proc="w0", step=9, ranks=[0], nbytes=100, seconds=0.2),
+                 ev("persist_part", 1.2, 0, 1, proc="w1", step=9, ranks=[1], nbytes=300, seconds=0.3),
+                 ev("persist_part", 1.3, 0, 1, proc="w1", step=8, ranks=[1], nbytes=999, seconds=9.0),
+                 ev("checkpoint_persisted", 2.0, 0, None, step=9, path="/ckpt/step-9", nbytes=None, write_s=None,
+                    total_s=None, gbps=None)])
+    [checkpoint] = summarize(path, exit_code=0)["checkpoints"]
+    assert checkpoint == {"step": 9, "path": "/ckpt/step-9", "nbytes": 400, "write_s": 0.3, "total_s": None,
+                          "gbps": 400 / 0.3 / 1e9}

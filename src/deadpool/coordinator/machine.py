@@ -252,7 +252,7 @@ def _stopping(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
     if config.persist_dir and s.committed is not None and s.persisted != s.committed:
         # The order failed or ran out of time; ranks that got the SIGTERM too (scancel signals every process)
         # wrote their own parts as they exited: whatever is complete on disk is assembled now.
-        out.append(Finalize(s.committed, None, 0, 0.0))
+        out.append(Finalize(s.committed, None, None, None))
         return replace(s, last_try=True)
     return terminated(s, out)
 

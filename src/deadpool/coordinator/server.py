@@ -321,7 +321,7 @@ class Coordinator:
         total_s = None if effect.ordered_t is None else now - effect.ordered_t
         self.events.emit("checkpoint_persisted", step=effect.step, path=str(path), nbytes=effect.nbytes,
                          write_s=effect.write_s, finalize_s=now - start, total_s=total_s,
-                         gbps=effect.nbytes / effect.write_s / 1e9 if effect.write_s else None)
+                         gbps=effect.nbytes / effect.write_s / 1e9 if effect.nbytes and effect.write_s else None)
 
     def _stop(self, effect: Stop) -> None:
         if effect.how in (Ending.FAILED, Ending.TERMINATED):

@@ -199,8 +199,8 @@ class Finalize:
 
     step: int
     ordered_t: float | None  # None: the parts were written as the ranks finished, unordered
-    nbytes: int
-    write_s: float
+    nbytes: int | None  # None with ordered_t: no writer reported to the coordinator (their persist_part events did)
+    write_s: float | None
 
 
 @dataclass(frozen=True)

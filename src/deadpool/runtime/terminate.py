@@ -34,8 +34,13 @@ class LastWords:
         self.once = threading.Lock()
         self.said = threading.Event()
 
+    def launcher_gone(self) -> bool:
+        """The parent is another (reparented) or on its way out: a launcher killed with SIGKILL ends its threads
+        one by one, and a child is handed to a sibling of the thread that started it (same pid) while they end."""
+        return os.getppid() != self.parent or exiting(self.parent)
+
     def due(self) -> bool:
-        return self.signalled or os.getppid() != self.parent or exiting(self.parent)
+        return self.signalled or self.launcher_gone()
 
     def say(self) -> None:
         """Says the last words, bounded by --stop-grace (the process then exits whatever happens); a second
@@ -47,7 +52,7 @@ class LastWords:
         deadline.daemon = True
         deadline.start()
         self.ctx.events.emit("terminated", signal="SIGTERM" if self.signalled else None,
-                             launcher_gone=os.getppid() != self.parent)
+                             launcher_gone=self.launcher_gone())
         try:
             self.words()
         except Exception as error:  # the disk, or a snapshot that moved on: said, and the process still exits

@@ -122,7 +122,7 @@ def test_sigterm_stops_at_the_grace_even_if_the_write_is_not_done():
     s, _ = advance(s, Inputs(), 2.0 + CONFIG.stop_grace_s - 0.1)
     assert s.exit_code is None
     s, effects = advance(s, Inputs(), 2.0 + CONFIG.stop_grace_s + 0.1)
-    assert s.exit_code is None and of(effects, Finalize) == [Finalize(1, None, 0, 0.0)]  # what the ranks wrote
+    assert s.exit_code is None and of(effects, Finalize) == [Finalize(1, None, None, None)]  # what the ranks wrote
     s, effects = advance(s, Inputs(finalized={1: False}), 2.0 + CONFIG.stop_grace_s + 0.2)
     assert s.exit_code == 143 and "no complete checkpoint" in s.failure
 
@@ -132,7 +132,7 @@ def test_sigterm_to_every_process_completes_the_checkpoint_from_the_ranks_own_pa
     s, _ = committing(s, 1, 1.0)
     s, _ = advance(s, Inputs(terminate=True), 2.0)
     s, effects = advance(s, Inputs(persist_reports={"s0": report(1, "s0", ok=False, error="SIGTERM")}), 2.5)
-    assert emitted(effects, "persist_failed") and of(effects, Finalize) == [Finalize(1, None, 0, 0.0)]
+    assert emitted(effects, "persist_failed") and of(effects, Finalize) == [Finalize(1, None, None, None)]
     s, effects = advance(s, Inputs(finalized={1: True}), 3.0)
     assert s.exit_code == 143 and s.persisted == 1 and "step 1 is on disk" in s.failure
 
@@ -150,7 +150,7 @@ def test_the_end_of_the_job_finalizes_the_last_commit_the_ranks_wrote():
     s, _ = start(CONFIG)
     s, _ = committing(s, 1, 1.0)
     s, effects = advance(s, Inputs(exits=(ExitReport("w0", 0, 1, True), ExitReport("w1", 0, 2, True))), 2.0)
-    assert s.exit_code == 0 and of(effects, Finalize) == [Finalize(1, None, 0, 0.0)]
+    assert s.exit_code == 0 and of(effects, Finalize) == [Finalize(1, None, None, None)]
 
 
 def test_a_rank_lost_with_every_holder_is_taken_over_when_a_checkpoint_is_on_disk():

@@ -66,4 +66,5 @@ def test_checkpoints_newer_than_the_resumed_one_are_set_aside_and_their_parts_de
         ".tmp-0000000002", "notes", "step-0000000001", "step-0000000002", "step-0000000003.set-aside",
         "step-0000000003.set-aside-2", "step-0000000005.set-aside"]
     assert (tmp_path / "step-0000000003.set-aside-2" / "f").read_text() == "step-0000000003"  # kept whole
-    assert set_aside_newer(config, 2) == [] and set_aside_newer(JobConfig(script="t.py", run_dir="r", workers=2), 0) == []
+    assert set_aside_newer(config, 2) == []
+    assert set_aside_newer(JobConfig(script="t.py", run_dir="r", workers=2), 0) == []  # no --persist-dir
