@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from .conftest import REPO
 
@@ -24,3 +25,23 @@ def test_chaos_runs_two_scenarios_and_judges_them(tmp_path):
     table = (tmp_path / "chaos.md").read_text()
     assert table.count("\n| kill-backward | ") == 1 and table.count("\n| script-error | ") == 1
     assert f"| kill-backward | {kill['seed']} |" in out.stdout  # the table is printed, with each seed
+
+
+def test_chaos_exits_1_when_its_reference_cannot_finish(tmp_path):
+    """Nothing can be judged without the failure-free run: one that misses its deadline ends the command, exit 1,
+    saying why, with chaos.json holding the reference and no scenario; no process is left behind."""
+    out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "chaos", "--out", str(tmp_path), "--seed",
+                          "7", "--scenarios", "kill-backward", "--deadline", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "[chaos] the failure-free reference did not finish within --deadline 2 s" in out.stdout
+    report = json.loads((tmp_path / "chaos.json").read_text())
+    assert report["scenarios"] == [] and report["reference"]["final_state_sha256"] is None
+    assert not [pid for pid in Path("/proc").glob("[0-9]*") if str(tmp_path).encode() in _cmdline(pid)]
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:  # it ended meanwhile
+        return b""

@@ -45,6 +45,11 @@ def test_sigkill_in_any_phase_is_hot_swapped_bit_for_bit(tmp_path, reference, ph
     assert resumed == {rank: recovery["restored_step"] for rank in range(4)}
     assert activated["restored_step"] == recovery["restored_step"] and activated["proc"] == "s0"
     assert {e["gen"] for e in job.named("finished")} == {1}
+    # each rank (the taker as rank 1) reported what it holds; the coordinator chose from exactly that
+    ready, [decided] = {e["rank"]: e for e in job.named("recovery_ready")}, job.named("restore_decided")
+    assert decided["holdings"] == {str(r): e["holds"] for r, e in sorted(ready.items())} and ready[1]["proc"] == "s0"
+    assert decided["target"] == recovery["restored_step"] and all(recovery["restored_step"] in e["holds"]
+                                                                   for e in ready.values())
     # the gather: survivors whose weights are still the restored step's (rank 1 killed before their optimizer
     # step 6, step 5 restored) copy the others' pieces from their live tensors and only the taker receives them
     restored, lead = recovery["restored_step"], max(e["slice"][1] for e in job.named("snapshot"))

@@ -241,7 +241,9 @@ def chaos(args: argparse.Namespace) -> int:
         ref.cleanup()
     reference = _summary(ref, code)
     if code != 0:
-        print(f"[chaos] the failure-free reference failed (exit {code}): {reference.get('error')}; see {ref.run_dir}")
+        why = (f"did not finish within --deadline {args.deadline:g} s" if code is None
+               else f"exited {code}: {reference.get('error') or 'see its output'}")
+        print(f"[chaos] the failure-free reference {why}; nothing to judge against, see {ref.run_dir}", flush=True)
         _write(out, seed, args.steps, reference, [])
         return 1
     rows: list[dict[str, Any]] = []

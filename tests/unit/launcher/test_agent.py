@@ -38,6 +38,12 @@ def test_nccl_error_handling_is_deadpools_even_if_the_user_set_it():
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
 
 
+def test_gloo_listens_on_the_jobs_interface_unless_the_user_chose_one():
+    config = replace(CONFIG, interface="lo")
+    assert env_of(config, "w0", "worker", 0)["GLOO_SOCKET_IFNAME"] == "lo"
+    assert env_of(config, "w0", "worker", 0, {"GLOO_SOCKET_IFNAME": "eth9"})["GLOO_SOCKET_IFNAME"] == "eth9"
+
+
 def test_determinism_settings_and_user_values_win():
     assert env_of(CONFIG, "w0", "worker", 0)["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert "CUBLAS_WORKSPACE_CONFIG" not in env_of(replace(CONFIG, deterministic=False), "w0", "worker", 0)
