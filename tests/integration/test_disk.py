@@ -44,6 +44,7 @@ def _resumed_matches_reference(run_dir: Path, persist: Path, reference, expected
     assert job.summary["rank_state_sha256"] == reference.summary["rank_state_sha256"]
     last = job.summary["checkpoints"][-1]  # the last commit, written by the ranks as they finished
     assert last["step"] == 10 and last["nbytes"] > 0 and last["write_s"] > 0
+    assert expected_step not in [c["step"] for c in job.summary["checkpoints"]]  # on disk already: not rewritten
 
 
 def test_sigterm_persists_the_newest_commit_and_resume_is_bit_for_bit(tmp_path, reference):
@@ -186,6 +187,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_set_aside_and_its_step_writt
     err = capsys.readouterr().err
     assert f"[deadpool] skipped checkpoint {damaged}: {skipped['reason']}" in err
     assert f"[deadpool] set aside checkpoint {damaged} as {aside.name}: newer than step {before}" in err
+    assert before not in [c["step"] for c in second.summary["checkpoints"]]  # on disk already: not rewritten
     last = second.summary["checkpoints"][-1]  # the ranks wrote it as they finished (perhaps ordered too: once)
     parts = {e["proc"]: e["nbytes"] for e in second.named("persist_part") if e["step"] == 3}
     assert last["step"] == 3 and last["nbytes"] == sum(parts.values()) > 0 and sorted(parts) == ["w0", "w1"]

@@ -65,13 +65,14 @@ FRESH_START = ("nothing was committed yet (a death in start-up): every rank begi
                "initial state, as at the job's start")
 
 
-def start(config: JobConfig) -> tuple[State, tuple[Effect, ...]]:
-    """Generation 0: step 0 counts as committed before anything runs, the plan, then every process."""
+def start(config: JobConfig, persisted: int | None = None) -> tuple[State, tuple[Effect, ...]]:
+    """Generation 0: step 0 counts as committed before anything runs, the plan, then every process. `persisted`:
+    the step of the checkpoint a resumed job starts from, when it lies in --persist-dir (not written again)."""
     spares = tuple(f"s{i}" for i in range(config.spares))
     plan = initial_plan(config.workers, spares, replicate=config.snapshot_every != 0, replicas=config.replicas,
                         nodes=node_map(config.workers, config.spares, config.nproc_per_node))
     out: list[Effect] = [WriteCommit(0, None, ())]
-    s = publish(State(config=config, steady=plan, plan=plan), plan, out)
+    s = publish(State(config=config, steady=plan, plan=plan, persisted=persisted), plan, out)
     out += [Spawn(name, Role.WORKER, rank) for rank, name in enumerate(plan.ranks)]
     out += [Spawn(name, Role.SPARE, plan.world_size + i) for i, name in enumerate(plan.spares)]
     return with_status(s, out)
@@ -212,7 +213,8 @@ def _commit(s: State, reports: Mapping[int, Durable], now: float, out: list[Effe
     out.append(WriteCommit(s.plan.generation, committed, abandoned))
     if decision.ok and committed != s.committed:
         out.append(Emit("commit", dict(step=committed, reason=decision.reason)))
-        s = replace(s, commits_since_persist=s.commits_since_persist + 1,
+        since = 0 if committed == s.persisted else s.commits_since_persist + 1  # a resumed job's first: on disk
+        s = replace(s, commits_since_persist=since,
                     persisted_t=now if s.persisted_t is None else s.persisted_t)
     return replace(s, committed=committed, abandoned=abandoned)
 

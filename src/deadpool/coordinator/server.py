@@ -21,6 +21,7 @@ file system can take milliseconds per rename, on the coordinator's thread.
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import threading
 import time
@@ -98,6 +99,17 @@ class Processes(Protocol):
     def on_exit(self, wake: Callable[[], None]) -> None: ...
 
 
+def resumed_in_place(config: JobConfig) -> int | None:
+    """The step of the checkpoint this job resumed from, if it is one of --persist-dir's: it counts as persisted
+    (not written again; a rank lost with every holder can be restored from it at once). None otherwise."""
+    if not (config.resume and config.persist_dir):
+        return None
+    resumed = Path(config.resume).resolve()
+    if resumed.parent != Path(config.persist_dir).resolve():
+        return None
+    return int(json.loads((resumed / "manifest.json").read_text())["step"])
+
+
 class Coordinator:
     def __init__(self, config: JobConfig, plane: ControlPlane, events: EventLog, agent: Processes) -> None:
         self.config = config
@@ -157,7 +169,7 @@ class Coordinator:
     def run(self) -> int:
         """Starts the job and returns its exit code."""
         self.thread = threading.get_ident()
-        state, effects = start(self.config)
+        state, effects = start(self.config, resumed_in_place(self.config))
         while True:
             for effect in effects:
                 self._apply(effect)

@@ -115,6 +115,16 @@ def test_sigterm_persists_the_newest_commit_then_stops_with_143():
     assert emitted(effects, "job_stopped") == [{"by": "SIGTERM", "persisted": 1, "committed": 1}]
 
 
+def test_a_job_resumed_from_its_persist_dir_does_not_write_that_checkpoint_again():
+    s, _ = start(CONFIG, persisted=4)
+    s, effects = advance(s, Inputs(durable={r: Durable((4,)) for r in range(2)}), 1.0)
+    assert s.committed == 4 and not of(effects, OrderPersist)
+    s, effects = advance(s, Inputs(durable={r: Durable((4, 5)) for r in range(2)}), 2.0)
+    assert not of(effects, OrderPersist)
+    s, effects = advance(s, Inputs(durable={r: Durable((4, 5, 6)) for r in range(2)}), 3.0)
+    assert [o.order.step for o in of(effects, OrderPersist)] == [6]  # --persist-every 2 commits after step 4
+
+
 def test_sigterm_stops_at_the_grace_even_if_the_write_is_not_done():
     s, _ = start(CONFIG)
     s, _ = committing(s, 1, 1.0)

@@ -219,3 +219,13 @@ def test_status_json_waits_for_a_commit_alone_and_never_for_anything_else(tmp_pa
     assert publish(replace(moved, committed=4)) == moved
     coordinator._write_status_file(time.monotonic(), due_only=False)  # the job's end: whatever is pending
     assert JobStatus.from_json((tmp_path / "status.json").read_text()) == replace(moved, committed=4)
+
+
+def test_a_checkpoint_resumed_from_the_persist_dir_counts_as_persisted_one_elsewhere_does_not(tmp_path):
+    checkpoint = tmp_path / "ckpt" / "step-0000000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "manifest.json").write_text('{"step": 4}')
+    config = JobConfig(script="train.py", workers=2, run_dir="run", resume=str(checkpoint), persist_dir=str(tmp_path))
+    assert server.resumed_in_place(replace(config, persist_dir=str(tmp_path / "ckpt"))) == 4
+    assert server.resumed_in_place(config) is None  # it will be written into --persist-dir once committed
+    assert server.resumed_in_place(replace(config, resume="")) is None
