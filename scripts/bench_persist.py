@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,12 +47,19 @@ def job(run_dir: Path, steps: int, script: Path = TRAIN, prefix: tuple[str, ...]
     return {"code": code, "summary": summary, "events": events(run_dir)}
 
 
+def fresh(persist: Path) -> str:
+    """A persist dir of this run's own: one left by an earlier run of the benchmark is removed (a job that does not
+    resume refuses a persist dir that holds checkpoints)."""
+    shutil.rmtree(persist, ignore_errors=True)
+    return str(persist)
+
+
 def overhead(out: Path, rounds: int, steps: int) -> dict:
     """Persisting every 10 commits against persisting off, same job, rounds interleaved."""
     rows: dict[str, list[dict]] = {"off": [], "every-10": []}
     for r in range(rounds):
         for variant in rows:
-            extra = {} if variant == "off" else {"persist_dir": str(out / f"ckpt-{r}"), "persist_every": 10}
+            extra = {} if variant == "off" else {"persist_dir": fresh(out / f"ckpt-{r}"), "persist_every": 10}
             done = job(out / f"overhead-{variant}-{r}", steps, **extra)
             ranked = [e for e in done["events"] if e["event"] == "step" and e["rank"] == 0 and e["step"] > 10]
             written = [e for e in done["events"] if e["event"] == "checkpoint_persisted"]
@@ -74,7 +82,7 @@ def sigterm(out: Path, reps: int) -> dict:
     for r in range(reps):
         run_dir, persist = out / f"sigterm-{r}", out / f"sigterm-ckpt-{r}"
         launcher = subprocess.Popen([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "4",
-                                     "--spares", "1", "--persist-dir", str(persist), "--out", str(run_dir),
+                                     "--spares", "1", "--persist-dir", fresh(persist), "--out", str(run_dir),
                                      str(TRAIN), "--steps", "100000"], cwd=REPO, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
         while not any(e["event"] == "commit" and e["step"] >= 10 for e in events(run_dir)):
@@ -94,7 +102,7 @@ def fallback(out: Path, reps: int) -> dict:
     for r in range(reps):
         run_dir = out / f"fallback-{r}"
         result: dict = {}
-        config = dict(spares=2, persist_dir=str(out / f"fallback-ckpt-{r}"), persist_every=5)
+        config = dict(spares=2, persist_dir=fresh(out / f"fallback-ckpt-{r}"), persist_every=5)
         thread = threading.Thread(target=lambda d, c, into: into.update(job(d, 40, **c)),
                                   args=(run_dir, config, result))
         thread.start()

@@ -131,7 +131,8 @@ def test_a_rank_lost_with_its_only_holder_is_restored_from_disk_in_place(tmp_pat
 
 def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_workers_goes_on(tmp_path, capsys):
     """A checkpoint of two data-parallel workers: another --seed is refused by the launcher, a model of other shapes
-    by the ranks before they load it (exit 2, one line naming the difference, the checkpoint untouched); three
+    by the ranks before they load it (exit 2, one line naming the difference, the checkpoint untouched), and so is
+    a run that would start afresh into the same --persist-dir (its checkpoints would mix with these); three
     workers resume it: each loads the shared parameters and optimizer state, rank 2 rank 0's own state, and the
     data goes on from the same position with no sample lost or seen twice."""
     persist = tmp_path / "ckpt"
@@ -139,11 +140,15 @@ def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_worker
     assert first.code == 0 and first.summary["checkpoints"]
     before = {p: p.stat().st_mtime_ns for p in persist.rglob("*")}
     narrower = tuple("32" if a == "64" else a for a in SMALL)  # --n-embd 32
-    for args, says in ((("--seed", "7", str(TRAIN), "--steps", "4", *SMALL), r"written by another script or --seed"),
-                       ((str(TRAIN), "--steps", "4", *narrower), r"it holds the state of another job \(model\.\S+ "
-                        r"has shape \[(\d+, )*64\] in the checkpoint, \[(\d+, )*32\] now")):
-        out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "2", "--resume",
-                              "auto", "--persist-dir", str(persist), "--out", str(tmp_path / "refused"), *args],
+    resume = ("--resume", "auto")
+    for args, says in (((*resume, "--seed", "7", str(TRAIN), "--steps", "4", *SMALL), r"written by another script or "
+                        r"--seed"),
+                       ((*resume, str(TRAIN), "--steps", "4", *narrower), r"it holds the state of another job "
+                        r"\(model\.\S+ has shape \[(\d+, )*64\] in the checkpoint, \[(\d+, )*32\] now"),
+                       ((str(TRAIN), "--steps", "4", *SMALL), r"already holds checkpoints of an earlier run "
+                        r"\(step-\d{10}, step-0000000002\): go on from them with --resume auto, or give an empty")):
+        out = subprocess.run([sys.executable, "-m", "deadpool.launcher.cli", "run", "--workers", "2", "--persist-dir",
+                              str(persist), "--out", str(tmp_path / "refused"), *args],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
         err = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(err) == 1 and re.search(says, err[0]), err

@@ -64,6 +64,17 @@ def test_session_replaying_is_true_exactly_for_the_steps_run_again_after_a_swap(
     assert after == [first] + [s for s in range(first + 1, 9) if s % 4 == 0], after
 
 
+def test_a_job_of_one_worker_replays_unknowingly_no_survivor_saw_the_steps(tmp_path):
+    """One worker killed in step 7: its spare runs the steps after the restored snapshot again,
+    but with no surviving rank to say they were run, `replaying` stays false (the README's caveat)."""
+    job = tiny(tmp_path, steps=8, workers=1, snapshot_every=4, faults=(Fault(kind="kill", rank=0, step=7),))
+    assert job.code == 0 and job.summary["swaps"] == 1
+    [recovery] = job.summary["recoveries"]
+    again = [e["step"] for e in job.named("step") if e["proc"] == "s0" and e["step"] < 7]
+    assert again == list(range(recovery["restored_step"] + 1, 7)) and again  # run again by the spare
+    assert not job.named("replaying") and not [e for e in job.named("step") if e["replay"]]
+
+
 def test_a_step_function_returning_nothing_gets_its_losses_from_session_log(tmp_path):
     job = tiny(tmp_path, "--log-loss", steps=3)
     assert job.code == 0

@@ -21,7 +21,7 @@ from deadpool.events import EventLog
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
-from deadpool.launcher.resume import on_sigterm, reshard_note, resolve, set_aside_newer
+from deadpool.launcher.resume import on_sigterm, refuse_used, reshard_note, resolve, set_aside_newer
 from deadpool.protocol.keys import CONFIG_KEY, Keys
 from deadpool.protocol.nodes import NodeHello
 from deadpool.protocol.plane import ControlPlane
@@ -138,6 +138,8 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
         note = reshard_note(json.loads((path / "manifest.json").read_text()), config)
         if note is not None:
             print(f"[deadpool] note: {note}", file=sys.stderr, flush=True)
+    elif config.persist_dir:
+        refuse_used(config)
     network = Network(config.nodes).create() if config.netns else None
     secret = read_secret(config.secret_file) if config.secret_file else new_secret()
     store, events = None, None

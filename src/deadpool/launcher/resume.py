@@ -72,6 +72,17 @@ def reshard_note(manifest: dict, config: JobConfig) -> str | None:
             f"the {saved}-worker job would have")
 
 
+def refuse_used(config: JobConfig) -> None:
+    """A job that does not resume starts with an empty (or new) --persist-dir: checkpoints there are an earlier
+    run's, and this run's of the same steps would count as written, or be pruned at once as the older ones. (By
+    name alone: deadpool.disk would import torch's checkpointing into the launcher, seconds.)"""
+    root = Path(config.persist_dir)
+    found = sorted(p.name for p in root.iterdir() if p.name.startswith(("step-", ".tmp-"))) if root.is_dir() else []
+    if found:
+        raise ConfigError(f"--persist-dir {config.persist_dir} already holds checkpoints of an earlier run "
+                          f"({', '.join(found)}): go on from them with --resume auto, or give an empty directory")
+
+
 def set_aside_newer(config: JobConfig, step: int) -> list[tuple[Path, Path]]:
     """Checkpoints newer than the one a job resumes from were left by the job it replaces, damaged (`auto` passed
     over them) or superseded (an older one was named): this run writes those steps again, and one found in place

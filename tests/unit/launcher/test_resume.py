@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from deadpool.config import JobConfig
-from deadpool.launcher.resume import misfits, reshard_note, resume_command, set_aside_newer
+from deadpool.errors import ConfigError
+from deadpool.launcher.resume import misfits, refuse_used, reshard_note, resume_command, set_aside_newer
 from deadpool.runtime.persist import source_rank
 
 
@@ -68,3 +69,15 @@ def test_checkpoints_newer_than_the_resumed_one_are_set_aside_and_their_parts_de
     assert (tmp_path / "step-0000000003.set-aside-2" / "f").read_text() == "step-0000000003"  # kept whole
     assert set_aside_newer(config, 2) == []
     assert set_aside_newer(JobConfig(script="t.py", run_dir="r", workers=2), 0) == []  # no --persist-dir
+
+
+def test_a_run_that_does_not_resume_refuses_a_persist_dir_holding_checkpoints(tmp_path: Path) -> None:
+    config = JobConfig(script="train.py", run_dir="run", workers=2, persist_dir=str(tmp_path / "ckpt"))
+    refuse_used(config)  # not there yet: made by the first checkpoint
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "notes.txt").write_text("mine")
+    refuse_used(config)  # nothing of a checkpoint's
+    (tmp_path / "ckpt" / ".tmp-0000000004").mkdir()
+    with pytest.raises(ConfigError, match=r"already holds checkpoints of an earlier run \(\.tmp-0000000004\): go on "
+                                          r"from them with --resume auto, or give an empty directory"):
+        refuse_used(config)
