@@ -3,6 +3,7 @@ with every holder of its replica is restored from disk in place."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -165,14 +166,19 @@ def test_resuming_from_a_checkpoint_of_another_job_is_refused_and_on_more_worker
 
 
 def test_a_damaged_newest_checkpoint_is_passed_over_set_aside_and_its_step_written_again(tmp_path, capsys):
-    """A flipped byte in the newest checkpoint: `--resume auto` says so and starts from the one before; the damaged
-    one is set aside (left in place, its step would count as written by the new run) and that step is written
-    again, intact, with the very snapshots the damaged one held (each rank's hash in the manifests)."""
+    """One command run twice, `--resume auto` (as a requeued job's script would): the first run finds nothing and
+    starts from the beginning. A byte flipped in the newest checkpoint: the second says so and starts from the one
+    before; the damaged one is set aside (left in place, its step would count as written by the new run) and that
+    step is written again, intact, with the very snapshots the damaged one held (each rank's hash in the
+    manifests)."""
     persist = tmp_path / "ckpt"
-    job = dict(steps=3, workers=2, spares=0, persist_dir=str(persist), persist_every=1,
+    job = dict(steps=3, workers=2, spares=0, persist_dir=str(persist), persist_every=1, resume="auto",
                script=SCRIPTS / "slow_steps.py", script_prefix=("0.1",))  # time to write a step before the next
-    first = run_job(tmp_path / "first", **job)
-    assert first.code == 0 and first.summary["checkpoints"][-1]["step"] == 3
+    said = io.StringIO()
+    first = run_job(tmp_path / "first", echo=said, **job)
+    assert first.code == 0 and first.summary["checkpoints"][-1]["step"] == 3 and first.summary["resumed_from"] is None
+    assert f"[deadpool] --resume auto: no checkpoint in {persist} yet, the job starts from the beginning" in \
+        said.getvalue()
     damaged = persist / "step-0000000003"
     [(newest, _), (before, _)] = listing(persist, "step")  # --keep 2; 0, 1 or 2: an order in flight defers the next
     assert newest == 3
@@ -181,7 +187,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_set_aside_and_its_step_writt
     raw[len(raw) // 2] ^= 1
     data.write_bytes(raw)
     capsys.readouterr()
-    second = run_job(tmp_path / "second", resume="auto", **job)
+    second = run_job(tmp_path / "second", **job)
     assert second.code == 0, second.summary["error"]
     assert second.summary["resumed_from"]["step"] == before
     [skipped] = second.named("checkpoint_skipped")

@@ -21,7 +21,7 @@ from deadpool.events import EventLog
 from deadpool.launcher.address import interface_of
 from deadpool.launcher.agent import Agent
 from deadpool.launcher.netns import Network
-from deadpool.launcher.resume import on_sigterm, refuse_used, reshard_note, resolve, set_aside_newer
+from deadpool.launcher.resume import on_sigterm, prepare_disk
 from deadpool.protocol.keys import CONFIG_KEY, Keys
 from deadpool.protocol.nodes import NodeHello
 from deadpool.protocol.plane import ControlPlane
@@ -122,24 +122,7 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
     devices = place_devices(config.workers, config.spares, config.gpus_per_node or 0)
     if not devices.ok:
         raise ConfigError(devices.reason)
-    skipped: list[tuple[str, str]] = []  # damaged checkpoints --resume passed over, logged once events exist
-    moved: list[tuple[Path, Path]] = []  # newer checkpoints set aside, this run writing their steps again
-    if config.resume:
-        path, step = resolve(config, lambda p, why: skipped.append((str(p), why)))
-        moved = set_aside_newer(config, step)
-        config = replace(config, resume=str(path))
-        for p, why in skipped:
-            print(f"[deadpool] skipped checkpoint {p}: {why}", file=sys.stderr, flush=True)
-        for old, aside in moved:
-            print(f"[deadpool] set aside checkpoint {old} as {aside.name}: newer than step {step}, which this run "
-                  "resumes from and writes again", file=sys.stderr, flush=True)
-        if echo is not None:
-            print(f"[deadpool] resuming from {path} (step {step})", file=echo, flush=True)
-        note = reshard_note(json.loads((path / "manifest.json").read_text()), config)
-        if note is not None:
-            print(f"[deadpool] note: {note}", file=sys.stderr, flush=True)
-    elif config.persist_dir:
-        refuse_used(config)
+    config, skipped, moved = prepare_disk(config, echo)  # damaged ones skipped, newer ones set aside: logged below
     network = Network(config.nodes).create() if config.netns else None
     secret = read_secret(config.secret_file) if config.secret_file else new_secret()
     store, events = None, None

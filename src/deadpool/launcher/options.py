@@ -105,7 +105,8 @@ def add_job_options(p: argparse.ArgumentParser, workers: int = 4, spares: int = 
                         "(default 20, under Slurm's and Kubernetes' 30 s)")
     p.add_argument("--resume", default="", metavar="DIR|auto",
                    help="start from the newest complete checkpoint in DIR (a --persist-dir or one checkpoint), or "
-                        "in --persist-dir with auto (default: start at step 0)")
+                        "in --persist-dir with auto, which starts at step 0 if none was ever written there: one "
+                        "command for a job's first run and every requeue (default: start at step 0)")
     p.add_argument("--fault", type=parse_faults, action="extend", default=[], metavar=FAULT_FORMAT,
                    help="inject a real fault (repeatable): kill, hang, error or corrupt_replica")
 

@@ -11,23 +11,61 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TextIO
 
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
 
 
-def resolve(config: JobConfig, skipped: Callable[[Path, str], None]) -> tuple[Path, int]:
+def prepare_disk(config: JobConfig, echo: TextIO | None) -> tuple[JobConfig, list[tuple[str, str]],
+                                                                    list[tuple[Path, Path]]]:
+    """Before a job starts: the checkpoint it resumes from (config.resume becomes its path; "" if `auto` found
+    nothing ever written), or the check that a job starting afresh finds no earlier run's checkpoints. Returns
+    the config, the damaged checkpoints passed over (path, why) and the newer ones set aside (old, new path),
+    each said here on the console, for the caller to log as events."""
+    skipped: list[tuple[str, str]] = []
+    if not config.resume:
+        if config.persist_dir:
+            refuse_used(config)
+        return config, skipped, []
+    found = resolve(config, lambda p, why: skipped.append((str(p), why)))
+    step = found[1] if found is not None else -1
+    moved = set_aside_newer(config, step)
+    for p, why in skipped:
+        print(f"[deadpool] skipped checkpoint {p}: {why}", file=sys.stderr, flush=True)
+    for old, aside in moved:
+        print(f"[deadpool] set aside checkpoint {old} as {aside.name}: newer than step {step}, which this run "
+              "resumes from and writes again", file=sys.stderr, flush=True)
+    if found is None:
+        if echo is not None:
+            print(f"[deadpool] --resume auto: no checkpoint in {config.persist_dir} yet, the job starts from the "
+                  "beginning", file=echo, flush=True)
+        return replace(config, resume=""), skipped, moved
+    path, step = found
+    if echo is not None:
+        print(f"[deadpool] resuming from {path} (step {step})", file=echo, flush=True)
+    note = reshard_note(json.loads((path / "manifest.json").read_text()), config)
+    if note is not None:
+        print(f"[deadpool] note: {note}", file=sys.stderr, flush=True)
+    return replace(config, resume=str(path)), skipped, moved
+
+
+def resolve(config: JobConfig, skipped: Callable[[Path, str], None]) -> tuple[Path, int] | None:
     """The checkpoint `--resume` names: one checkpoint directory, or the newest intact one under a persist dir
     (`auto`: --persist-dir), after completing those whose parts a stopped job left (its coordinator died: the
-    ranks wrote their parts as they exited). Damaged ones are skipped, each reported through `skipped`."""
+    ranks wrote their parts as they exited). Damaged ones are skipped, each reported through `skipped`. None:
+    `auto` found no checkpoint ever completed there (the job's first run: one command starts a job and, requeued
+    by a scheduler, goes on)."""
     from deadpool.disk import finalize, listing, newest, verify  # torch.distributed.checkpoint: only to resume
 
     spec = config.resume
     if spec == "auto" and not config.persist_dir:
         raise ConfigError("--resume auto resumes from --persist-dir: give --persist-dir DIR (or --resume DIR)")
     root = Path(config.persist_dir if spec == "auto" else spec).resolve()
+    if spec == "auto" and not root.exists():
+        return None
     if not root.is_dir():
         raise ConfigError(f"--resume {spec}: {root} is not a directory")
     if (root / "manifest.json").exists():  # one checkpoint, named
@@ -39,10 +77,19 @@ def resolve(config: JobConfig, skipped: Callable[[Path, str], None]) -> tuple[Pa
         for step, _ in listing(root, ".tmp"):  # newest first: the first that is complete is the one to resume
             if finalize(root, step, config.workers, None, config.keep) is not None:
                 break
-        found = newest(root, on_skip=skipped)
+        passed: list[str] = []
+
+        def skip(path: Path, why: str) -> None:
+            passed.append(f"{path.name}: {why}")
+            skipped(path, why)
+
+        found = newest(root, on_skip=skip)
+        if found is None and spec == "auto" and not passed:
+            return None
         if found is None:
-            raise ConfigError(f"--resume {spec}: no complete checkpoint in {root} (checkpoints appear there once a job "
-                              "with --persist-dir has committed and written one)")
+            why = "; ".join(passed) or ("checkpoints appear there once a job with --persist-dir has committed and "
+                                        "written one")
+            raise ConfigError(f"--resume {spec}: no intact checkpoint in {root} ({why})")
         path, manifest = found
     misfit = misfits(manifest, config)
     if misfit is not None:

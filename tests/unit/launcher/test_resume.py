@@ -1,13 +1,14 @@
 """Tests for deadpool/launcher/resume.py: the command that goes on from a stopped job, and what a resume does with
 the checkpoints newer than its own."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
-from deadpool.launcher.resume import misfits, refuse_used, reshard_note, resume_command, set_aside_newer
+from deadpool.launcher.resume import misfits, refuse_used, reshard_note, resolve, resume_command, set_aside_newer
 from deadpool.runtime.persist import source_rank
 
 
@@ -81,3 +82,24 @@ def test_a_run_that_does_not_resume_refuses_a_persist_dir_holding_checkpoints(tm
     with pytest.raises(ConfigError, match=r"already holds checkpoints of an earlier run \(\.tmp-0000000004\): go on "
                                           r"from them with --resume auto, or give an empty directory"):
         refuse_used(config)
+
+
+def test_resume_auto_with_nothing_ever_written_starts_afresh_and_with_only_damaged_ones_refuses(tmp_path: Path) -> None:
+    """One command for a job's first run and every requeue: `auto` on a persist dir that is not there yet, or
+    holds no checkpoint, starts from the beginning; one whose every checkpoint is damaged is refused, saying why
+    each was passed over (starting afresh would throw their steps away); a named directory must exist."""
+    persist = tmp_path / "ckpt"
+    config = JobConfig(script="train.py", run_dir="run", workers=2, persist_dir=str(persist), resume="auto")
+    skipped: list[tuple[Path, str]] = []
+    assert resolve(config, lambda p, why: skipped.append((p, why))) is None
+    persist.mkdir()
+    assert resolve(config, lambda p, why: skipped.append((p, why))) is None
+    (persist / ".tmp-0000000002" / "part-w0").mkdir(parents=True)  # a first run's part, never completed
+    assert resolve(config, lambda p, why: skipped.append((p, why))) is None and skipped == []
+    (persist / "step-0000000001").mkdir()
+    with pytest.raises(ConfigError, match=r"--resume auto: no intact checkpoint in \S+ \(step-0000000001: no "
+                                          r"manifest\.json \(never finished, or damaged\)\)"):
+        resolve(config, lambda p, why: skipped.append((p, why)))
+    assert [p.name for p, _ in skipped] == ["step-0000000001"]
+    with pytest.raises(ConfigError, match=r"--resume \S+/nowhere: \S+ is not a directory"):
+        resolve(replace(config, resume=str(tmp_path / "nowhere")), lambda p, why: None)
