@@ -151,9 +151,18 @@ def launch(config: JobConfig, echo: TextIO | None = sys.stdout, start_agents: bo
             network.remove()
     summary = summarize(run_dir / "events.jsonl", exit_code=code, faults=config.faults)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    for line in summary["faults_not_fired"] if echo is not None else ():
+    for line in closing_lines(summary) if echo is not None else ():
         print(f"[deadpool] {line}", file=echo, flush=True)
     return code, summary
+
+
+def closing_lines(summary: dict) -> list[str]:
+    """What the console is told once the job ended, beyond its exit: faults asked for that never fired, and
+    checkpoints that could not be written (each one otherwise only an event)."""
+    failures = summary["persist_failures"]
+    unwritten = [f"{len(failures)} checkpoint(s) not written (the last, step {failures[-1]['step']}: "
+                 f"{failures[-1]['reason']}): see persist_failures in summary.json"] if failures else []
+    return [*summary["faults_not_fired"], *unwritten]
 
 
 def _run(config: JobConfig, plane: ControlPlane, events: EventLog, devices: Decision, echo: TextIO | None,

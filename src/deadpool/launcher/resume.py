@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import replace
@@ -26,6 +27,8 @@ def prepare_disk(config: JobConfig, echo: TextIO | None) -> tuple[JobConfig, lis
     the config, the damaged checkpoints passed over (path, why) and the newer ones set aside (old, new path),
     each said here on the console, for the caller to log as events."""
     skipped: list[tuple[str, str]] = []
+    if config.persist_dir:
+        writable(Path(config.persist_dir))
     if not config.resume:
         if config.persist_dir:
             refuse_used(config)
@@ -117,6 +120,18 @@ def reshard_note(manifest: dict, config: JobConfig) -> str | None:
     return (f"the checkpoint was written by {saved} workers, this job has {config.workers}: {shared}, and rank r "
             f"the own state (RNGs, data position) of rank r mod {saved}; the run goes on, but not bit for bit as "
             f"the {saved}-worker job would have")
+
+
+def writable(root: Path) -> None:
+    """Made if missing and written to once, before any process starts: a directory the ranks cannot write would
+    otherwise fail every checkpoint of the run, in events only."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as error:
+        raise ConfigError(f"cannot write checkpoints to --persist-dir {root} ({error.strerror or error}): give a "
+                          "directory this job can write") from None
 
 
 def refuse_used(config: JobConfig) -> None:

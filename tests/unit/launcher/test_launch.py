@@ -1,4 +1,5 @@
-"""Tests for deadpool/launcher/launch.py: how many GPUs a node's processes share out (this machine has none)."""
+"""Tests for deadpool/launcher/launch.py: how many GPUs a node's processes share out (this machine has none), and
+what the console is told at the end."""
 
 from dataclasses import replace
 
@@ -7,7 +8,7 @@ import torch
 
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
-from deadpool.launcher.launch import count_gpus, launch
+from deadpool.launcher.launch import closing_lines, count_gpus, launch
 
 CONFIG = JobConfig(script="train.py", workers=2, spares=1, run_dir="runs/x")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="these check a machine without GPUs")
@@ -41,3 +42,13 @@ def test_launch_refuses_before_starting_anything(tmp_path):
     with pytest.raises(ConfigError, match="needs GPUs"):
         launch(config, echo=None)
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_the_end_says_which_faults_never_fired_and_how_many_checkpoints_were_not_written():
+    summary = {"faults_not_fired": ["fault kill:1:9 never fired"], "persist_failures": [
+        {"step": 3, "reason": "w1: OSError: no space left"}, {"step": 6, "reason": "parts of some ranks are missing"}]}
+    assert closing_lines(summary) == [
+        "fault kill:1:9 never fired",
+        "2 checkpoint(s) not written (the last, step 6: parts of some ranks are missing): see persist_failures in "
+        "summary.json"]
+    assert closing_lines({"faults_not_fired": [], "persist_failures": []}) == []

@@ -8,7 +8,15 @@ import pytest
 
 from deadpool.config import JobConfig
 from deadpool.errors import ConfigError
-from deadpool.launcher.resume import misfits, refuse_used, reshard_note, resolve, resume_command, set_aside_newer
+from deadpool.launcher.resume import (
+    misfits,
+    refuse_used,
+    reshard_note,
+    resolve,
+    resume_command,
+    set_aside_newer,
+    writable,
+)
 from deadpool.runtime.persist import source_rank
 
 
@@ -103,3 +111,13 @@ def test_resume_auto_with_nothing_ever_written_starts_afresh_and_with_only_damag
     assert [p.name for p, _ in skipped] == ["step-0000000001"]
     with pytest.raises(ConfigError, match=r"--resume \S+/nowhere: \S+ is not a directory"):
         resolve(replace(config, resume=str(tmp_path / "nowhere")), lambda p, why: None)
+
+
+def test_a_persist_dir_is_made_and_written_to_before_the_job_starts(tmp_path: Path) -> None:
+    writable(tmp_path / "a" / "ckpt")
+    assert (tmp_path / "a" / "ckpt").is_dir() and not list((tmp_path / "a" / "ckpt").iterdir())  # nothing left
+    (tmp_path / "file").write_text("not a directory")
+    for where in (tmp_path / "file" / "ckpt", Path("/proc/deadpool-ckpt")):
+        with pytest.raises(ConfigError, match=rf"cannot write checkpoints to --persist-dir {where} \(.+\): give a "
+                                              "directory this job can write"):
+            writable(where)
