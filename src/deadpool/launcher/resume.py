@@ -1,5 +1,6 @@
-"""`deadpool run --resume DIR|auto`: which checkpoint a job starts from, refused in one line if it does not fit;
-and the launcher's SIGTERM, which asks the coordinator to persist the newest commit before the job stops."""
+"""`--persist-dir` and `--resume DIR|auto` before a job starts: a directory it can write, the checkpoint it starts
+from (refused in one line if it does not fit), checkpoints of an earlier run never mixed with its own; and the
+launcher's SIGTERM, which asks the coordinator to persist the newest commit before the job stops."""
 
 from __future__ import annotations
 
