@@ -26,6 +26,22 @@ def test_an_unseeded_script_drawing_its_data_in_set_up_is_bit_for_bit_after_a_sw
     assert swapped.summary["losses"] == reference.summary["losses"]
 
 
+def test_a_seed_set_after_init_wins_and_one_set_before_init_is_replaced(tmp_path):
+    """init() seeds torch with --seed plus the rank: a script's torch.manual_seed before init() changes nothing,
+    one after init() decides the model and data whatever --seed is (drawn from torch's generator in the set-up;
+    the losses, which depend on them only, are compared: --seed still seeds Python's and NumPy's generators)."""
+    def final(name: str, *args: str, seed: int = 0) -> list[float]:
+        job = tiny(tmp_path / name, *args, steps=2, seed=seed)
+        assert job.code == 0
+        return job.summary["losses"]["0"]
+
+    before = final("before-1", "--seed-before-init", "1")
+    assert before == final("before-2", "--seed-before-init", "2")
+    after = final("after", "--seed-after-init", "1", seed=9)
+    assert after == final("after-other-seed", "--seed-after-init", "1", seed=3)
+    assert after != before  # torch seeded with 1, not with --seed 0 plus rank 0
+
+
 @pytest.mark.parametrize("mistake, message", [
     ("outside_run", "UsageError: the model was used outside session.run(): call it only in the step function"),
     ("register_ddp", "UsageError: 'model' is a torch DistributedDataParallel: pass the plain module to "
@@ -35,6 +51,10 @@ def test_an_unseeded_script_drawing_its_data_in_set_up_is_bit_for_bit_after_a_sw
     ("nothing_trainable", "UsageError: nothing trainable: session.run() found no model. Pass the model to "
                           "session.wrap"),
     ("run_twice", "UsageError: session.run() was called a second time: call it once"),
+    ("no_optimizer", "UsageError: register the optimizer before session.run(): session.register(optimizer=optimizer)"),
+    ("global_object", "ConfigError: cannot snapshot variables.position: values of type Position are not supported "
+                      "(use tensors, numpy arrays, numbers, strings, lists, tuples and dicts). "
+                      "train_step_rebinding_an_object rebinds it with nonlocal/global, so DeadPool snapshots it"),
 ])
 def test_a_usage_error_stops_the_job_as_the_scripts_own_naming_what_to_change(tmp_path, mistake, message):
     job = tiny(tmp_path, "--mistake", mistake, steps=2)
@@ -76,10 +96,12 @@ def test_a_job_of_one_worker_replays_unknowingly_no_survivor_saw_the_steps(tmp_p
 
 
 def test_a_step_function_returning_nothing_gets_its_losses_from_session_log(tmp_path):
+    """A loss given to session.log on steps 1 and 3, none at all on step 2: that step's loss is null."""
     job = tiny(tmp_path, "--log-loss", steps=3)
     assert job.code == 0
     logged = [e["loss"] for e in job.named("train")]
-    assert len(logged) == 3 and job.summary["losses"] == {"0": logged} and job.summary["final_loss"] == logged[-1]
+    assert len(logged) == 2 and all(isinstance(loss, float) for loss in logged)
+    assert job.summary["losses"] == {"0": [logged[0], None, logged[1]]} and job.summary["final_loss"] == logged[-1]
 
 
 def test_ranks_given_different_steps_stop_the_job_naming_the_disagreement_and_no_rank_is_fenced(tmp_path):

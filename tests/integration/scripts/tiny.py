@@ -3,7 +3,7 @@
 It never seeds torch and draws its data in its set-up (`torch.randn`), as tutorials do: a spare must draw
 the same data as the rank it replaced. It logs a `replaying` event for every step it runs while
 `session.replaying` is true. Usage: tiny.py --steps N [--mistake M] [--steps-of-rank1 N] [--log-loss]
-[--spare-set-up-fails] [--counter-in-attribute]
+[--spare-set-up-fails] [--counter-in-attribute] [--seed-before-init N] [--seed-after-init N]
 """
 
 import argparse
@@ -17,15 +17,22 @@ import deadpool
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--mistake", choices=("outside_run", "register_ddp", "wrap_ddp", "nothing_trainable",
-                                          "run_twice"))
+                                          "run_twice", "no_optimizer", "global_object"))
 parser.add_argument("--steps-of-rank1", type=int, help="rank 1 runs this many steps instead")
 parser.add_argument("--spare-set-up-fails", action="store_true", help="a called spare's set-up raises EOFError")
-parser.add_argument("--log-loss", action="store_true", help="return nothing; session.log the loss instead")
+parser.add_argument("--log-loss", action="store_true",
+                    help="return nothing; session.log the loss instead, on odd steps only (even steps: no loss)")
+parser.add_argument("--seed-before-init", type=int, help="torch.manual_seed(N) before deadpool.init()")
+parser.add_argument("--seed-after-init", type=int, help="torch.manual_seed(N) after deadpool.init()")
 parser.add_argument("--counter-in-attribute", action="store_true",
                     help="the batch index lives in an attribute: not rolled back after a failure")
 args = parser.parse_args()
 
+if args.seed_before_init is not None:
+    torch.manual_seed(args.seed_before_init)
 session = deadpool.init()
+if args.seed_after_init is not None:
+    torch.manual_seed(args.seed_after_init)
 if args.spare_set_up_fails and os.environ["DEADPOOL_ROLE"] == "spare":
     raise EOFError("Ran out of input")  # torch.load of the script's own checkpoint, cut short by the failure
 inputs, targets = torch.randn(64, 4), torch.randn(64, 1)  # this rank's data, from torch's default generator
@@ -37,7 +44,8 @@ if args.mistake == "nothing_trainable":  # the model never given to session.wrap
 else:
     model = session.wrap(DistributedDataParallel(module) if args.mistake == "wrap_ddp" else module)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-session.register(optimizer=optimizer)
+if args.mistake != "no_optimizer":
+    session.register(optimizer=optimizer)
 if args.mistake == "outside_run":
     model(inputs)  # the kept `while True:` loop of a port, before session.run
 
@@ -61,12 +69,19 @@ def train_step(step: int) -> torch.Tensor | None:
     loss.backward()
     optimizer.step()
     if args.log_loss:
-        session.log("train", step=step, loss=loss.item())
+        if step % 2 == 1:
+            session.log("train", step=step, loss=loss.item())
         return None
     return loss
 
 
+def train_step_rebinding_an_object(step: int) -> torch.Tensor | None:
+    global position
+    position = Position()  # a global of a type DeadPool cannot snapshot, rebound every step
+    return train_step(step)
+
+
 steps = args.steps_of_rank1 if args.steps_of_rank1 and session.rank == 1 else args.steps
-session.run(train_step, steps=steps)
+session.run(train_step_rebinding_an_object if args.mistake == "global_object" else train_step, steps=steps)
 if args.mistake == "run_twice":
     session.run(train_step, steps=steps + 2)

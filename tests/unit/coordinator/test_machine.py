@@ -104,9 +104,11 @@ def test_a_step_on_one_rank_only_is_not_committed_and_skipped_steps_are_abandone
 
 def test_replicas_that_diverge_stop_the_job():
     s = started()
-    reports = {0: Durable((0, 1), fingerprints={1: 7}), 1: Durable((0, 1), fingerprints={1: 8})}
+    reports = {0: Durable((0, 1), fingerprints={0: 5, 1: 7}), 1: Durable((0, 1), fingerprints={0: 5, 1: 8})}
     s, effects = advance(s, Inputs(durable=reports), 1.0)
     assert kinds(effects)[:2] == ["divergence", "job_failed"] and s.exit_code == 1
+    # the event names the step, who agreed with whom, and the last step checked equal
+    assert emitted(effects, "divergence") == [{"step": 1, "groups": [[0], [1]], "agreed": 0, "action": "stop"}]
     assert "replicas diverged at step 1" in emitted(effects, "job_failed")[0]["reason"]
 
 

@@ -94,6 +94,8 @@ def test_run_with_every_option():
         "--backlog-policy", "skip", "--backend", "gloo", "--master-addr", "10.0.0.1", "--master-port", "29500",
         "--recovery-timeout", "20", "--collective-timeout", "40",
         "--settle-window", "0.2", "--hang-timeout", "6", "--silence-timeout", "1.5", "--slices", "off",
+        "--on-divergence", "warn", "--seed", "7", "--persist-dir", "ckpt", "--persist-every", "5",
+        "--persist-interval", "600", "--keep", "3", "--stop-grace", "12", "--resume", "auto",
         "--fault", "kill:3:15:forward", "--fault", "corrupt_replica:1:10", "--fault", "hang:0+1:4", "--out", "runs/x",
         "train.py", "--steps", "40", "--lr", "0.1"])
     assert args.out == Path("runs/x")
@@ -102,7 +104,8 @@ def test_run_with_every_option():
         script="train.py", script_args=("--steps", "40", "--lr", "0.1"), workers=4, spares=2, run_dir="runs/x",
         store_host="10.0.0.1", store_port=29500, backend="gloo", snapshot_every="auto", snapshot_budget=0.05,
         backlog_policy="skip", settle_s=0.2, hang_timeout_s=6.0, silence_timeout_s=1.5, recovery_timeout_s=20.0,
-        collective_timeout_s=40.0, slices=False,
+        collective_timeout_s=40.0, slices=False, on_divergence="warn", seed=7, persist_dir="ckpt", persist_every=5,
+        persist_interval_s=600.0, keep=3, stop_grace_s=12.0, resume="auto",
         faults=(Fault(kind="kill", rank=3, step=15, phase="forward"), Fault(kind="corrupt_replica", rank=1, step=10),
                 Fault(kind="hang", rank=0, step=4), Fault(kind="hang", rank=1, step=4)))
     assert type(config.script_args) is tuple and type(config.faults) is tuple

@@ -5,8 +5,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.unit.disk.snapshots import replicated_slots
 
 from deadpool.config import JobConfig
+from deadpool.disk import Identity, finalize, step_dir, write_part
 from deadpool.errors import ConfigError
 from deadpool.launcher.resume import (
     misfits,
@@ -121,3 +123,29 @@ def test_a_persist_dir_is_made_and_written_to_before_the_job_starts(tmp_path: Pa
         with pytest.raises(ConfigError, match=rf"cannot write checkpoints to --persist-dir {where} \(.+\): give a "
                                               "directory this job can write"):
             writable(where)
+
+
+def test_resume_from_a_persist_dir_takes_its_newest_intact_checkpoint_of_this_job(tmp_path: Path) -> None:
+    """`--resume DIR` naming a persist directory (not one checkpoint): the newest intact checkpoint there, a
+    damaged newer one passed over and reported; a checkpoint another script wrote (by file name) is refused
+    naming the script or --seed, one whose every checkpoint is damaged names why each was passed over."""
+    config = JobConfig(script="train.py", run_dir="run", workers=2, resume=str(tmp_path))
+    for step in (3, 5):
+        slots = replicated_slots(step)
+        identity = Identity.of(slots[0].meta, 2, config.config_hash())
+        write_part(tmp_path, step, "w0", dict(enumerate(slots)), identity)
+        assert finalize(tmp_path, step, 2, identity, keep=3) == step_dir(tmp_path, step)
+    data = next(step_dir(tmp_path, 5).glob("part-*/*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one bit flipped in the newest checkpoint's data: its size stays
+    data.write_bytes(bytes(raw))
+    skipped: list[tuple[Path, str]] = []
+    assert resolve(config, lambda p, why: skipped.append((p, why))) == (step_dir(tmp_path, 3).resolve(), 3)
+    assert skipped == [(step_dir(tmp_path, 5), "part-w0/__0_0.distcp does not match its xxh3_128 hash (corrupted)")]
+    with pytest.raises(ConfigError, match=r"^cannot resume from \S+/step-0000000003: it was written by another "
+                                          r"script or --seed$"):
+        resolve(replace(config, script="other/finetune.py"), lambda p, why: None)
+    (step_dir(tmp_path, 3) / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match=r"^--resume \S+: no intact checkpoint in \S+ \(step-0000000005: .+; "
+                                          r"step-0000000003: no manifest\.json \(never finished, or damaged\)\)$"):
+        resolve(config, lambda p, why: None)
