@@ -137,3 +137,19 @@ def test_an_error_in_a_called_spares_set_up_names_the_spare_the_rank_its_step_an
                                            "took over rank 1 at step ")
     assert "raised EOFError: Ran out of input" in job.summary["error"]
     assert "a spare was used for the failure before it" in job.summary["error"]
+
+
+def test_a_rank_killed_after_session_run_returned_is_not_replaced_and_the_others_finish_their_own_code(tmp_path):
+    """Rank 1 is SIGKILLed in the script's code after session.run() (its final evaluation): no spare is called,
+    as no rank trains any more; rank 0 ends its own code after run() (it logs after rank 1's death), then the
+    job fails, exit 1, saying that training is complete at its last step."""
+    job = tiny(tmp_path, "--rank1-dies-after-run", steps=3, workers=2)
+    assert job.code == 1 and job.summary["swaps"] == 0 and job.summary["final_step"] == 3
+    assert job.summary["error"].startswith("rank 1 (w1, pid ") and (
+        "killed by SIGKILL after ranks [0, 1] had finished training: a failure in the script's code after "
+        "session.run() is not recovered. Training is complete on every rank: its last step, 3, is committed."
+        ) in job.summary["error"]
+    [death] = job.named("failure_detected")
+    [after] = job.named("after_run")
+    assert after["proc"] == "w0" and after["t"] > death["t"]
+    assert not job.named("spare_called") and not job.named("plan_published")[1:]

@@ -41,21 +41,33 @@ def _observe(seen: Liveness, beat: Heartbeat | None, gen: int, now: float) -> Li
     return replace(seen, beat=beat, beat_t=now, progress=progress, progress_t=now)
 
 
+def observe_beats(s: State, beats: Mapping[str, Heartbeat], arrived: Mapping[str, float], now: float) -> State:
+    """Updates every rank's liveness (a beat dated by its arrival). Observing the same beat again changes nothing:
+    the machine observes a tick's beats before its exits (a rank's last words and another's death may arrive
+    in one tick: pool.done_training), and judges hangs from them after."""
+    live = dict(s.live)
+    for proc in _judged(s):
+        live[proc] = _observe(live.get(proc) or Liveness(now, now), beats.get(proc), s.plan.generation,
+                              arrived.get(proc, now))
+    return replace(s, live=live)
+
+
+def _judged(s: State) -> list[str]:
+    return [p for p in s.plan.ranks if p not in s.fenced | s.lost]  # lost: failed after training ended
+
+
 def look_for_hangs(s: State, beats: Mapping[str, Heartbeat], arrived: Mapping[str, float], now: float,
                    out: list[Effect]) -> State:
-    """Updates every rank's liveness (a beat dated by its arrival); fences the ranks the policy calls hung (their
-    exit follows)."""
+    """Updates every rank's liveness; fences the ranks the policy calls hung (their exit follows)."""
     gen = s.plan.generation
-    procs = [p for p in s.plan.ranks if p not in s.fenced]
-    live = dict(s.live)
+    s = observe_beats(s, beats, arrived, now)
+    procs = _judged(s)
     pulses: dict[int, Pulse] = {}
     for proc in procs:
-        seen = live[proc] = _observe(live.get(proc) or Liveness(now, now), beats.get(proc), gen,
-                                     arrived.get(proc, now))
+        seen = s.live[proc]
         if seen.beat is not None and seen.beat.gen == gen:
             pulses[s.plan.ranks.index(proc)] = Pulse(seen.beat_t, seen.progress_t, seen.beat.step, seen.beat.phase,
                                                      seen.beat.waiting)
-    s = replace(s, live=live)
     if len(pulses) < len(procs):
         return s  # detection starts once every rank of this generation has a heartbeat
     timeout = _timeout(s)

@@ -8,6 +8,8 @@
     SETTLING --no spare left, a spare node awaited (policy.wait_for_spare)--> AWAIT_SPARE
     AWAIT_SPARE --a spare node's spares started, or --spare-wait is over--> decided again, as from SETTLING
     STEADY --a spare node's spares started: policy.plan_after_join, publish g+1--> AWAIT_READY
+    SETTLING --a rank failed once some rank left session.run() (pool.done_training)--> STEADY, no plan: the
+        job fails once the other ranks end their own code after run()
 
 In STEADY the machine also checks that data-parallel replicas agree (divergence.check_replicas), commits
 snapshots (policy.commit_step), looks for hangs (fences.look_for_hangs) and admits spare nodes that joined
@@ -26,7 +28,7 @@ from typing import Mapping
 from deadpool.config import JobConfig
 from deadpool.coordinator import persist
 from deadpool.coordinator.divergence import DIVERGENCE_CAUSES, Divergence, check_replicas
-from deadpool.coordinator.fences import look_for_hangs, look_for_silence, next_verdict_t
+from deadpool.coordinator.fences import look_for_hangs, look_for_silence, next_verdict_t, observe_beats
 from deadpool.coordinator.policy import (
     FINISHED,
     SCRIPT_ERROR,
@@ -56,7 +58,16 @@ from deadpool.coordinator.state import (
     WriteCommit,
     WriteTarget,
 )
-from deadpool.coordinator.transitions import drop_joining, end, fail, publish, refuse, terminated, with_status
+from deadpool.coordinator.transitions import (
+    drop_joining,
+    end,
+    fail,
+    finalize_last,
+    publish,
+    refuse,
+    terminated,
+    with_status,
+)
 from deadpool.protocol.kinds import Role
 from deadpool.protocol.status import Recovery
 
@@ -84,6 +95,8 @@ def advance(s: State, inputs: Inputs, now: float) -> tuple[State, tuple[Effect, 
     out: list[Effect] = []
     if inputs.joined:
         s = replace(s, joins={**s.joins, **inputs.joined})
+    if s.phase is Phase.STEADY and inputs.exits:  # a rank's last words may come in the tick of another's exit
+        s = observe_beats(s, inputs.beats, inputs.beats_t, now)
     for exit_ in inputs.exits:
         s = on_exit(s, exit_, now, out)
         if s.exit_code is not None:
@@ -120,6 +133,9 @@ def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
         if rank is None:
             return s
         s = replace(s, finished=s.finished | {x.name})
+        if s.after_training is not None and s.finished | s.lost >= set(s.plan.ranks):
+            finalize_last(s, out)
+            return fail(s, s.after_training, out)
         return end(s, out) if s.finished >= set(s.plan.ranks) else s
     if verdict.value == SCRIPT_ERROR:
         return _script_error(s, x, verdict.reason, out)
@@ -170,7 +186,7 @@ def _tick(s: State, inputs: Inputs, now: float, out: list[Effect]) -> State:
             return s
         s = persist.tick(s, inputs, now, out, may_order=True)
         s = look_for_hangs(s, inputs.beats, inputs.beats_t, now, out)
-        if s.swap is None and not s.finished:
+        if s.swap is None and not s.finished and s.after_training is None:
             s, new = admit(s, inputs.started, now, out)
             s = refill(s, new, now, out)
         return s

@@ -18,7 +18,8 @@ from deadpool.coordinator.policy import (
     wait_for_spare,
 )
 from deadpool.coordinator.state import CoordinatorState, Effect, Emit, Joining, Phase, Refill, Say, Spawn
-from deadpool.coordinator.transitions import drop_joining, fail, publish
+from deadpool.coordinator.transitions import drop_joining, fail, finalize_last, publish
+from deadpool.protocol.kinds import Phase as Progress
 from deadpool.protocol.kinds import Role
 
 State = CoordinatorState
@@ -27,12 +28,9 @@ State = CoordinatorState
 def decide(s: State, now: float, out: list[Effect]) -> State:
     """The settled set of failures: a plan that replaces them (published), a wait for a spare node, or the end."""
     failed = s.swap.failed if s.swap else ()
-    if s.finished and any(f.rank is not None for f in failed):
-        # the ranks that finished have left: no group is left to recover into
-        done = sorted(r for r, p in enumerate(s.plan.ranks) if p in s.finished)
-        return fail(s, f"{', '.join(f'{f.who} {f.exit}' for f in failed)} after ranks {done} had finished "
-                       f"training; the run is complete on those ranks, not on the failed one. "
-                       f"Last committed step: {s.committed}.", out)
+    done = done_training(s)
+    if done and any(f.rank is not None for f in failed):
+        return _failed_after_training(s, done, out)
     decision = plan_after_failures(s.steady, s.plan.generation, s.lost, disk_step=s.persisted)
     if decision.value is None:
         waited = 0.0 if s.awaiting_since is None else now - s.awaiting_since
@@ -105,6 +103,35 @@ def await_spare(s: State, started: frozenset[str], now: float, out: list[Effect]
                     refill=Refill(now, tuple(sorted(set(new.values()))), tuple(new)))
         return decide(s, now, out)
     return decide(s, now, out) if now >= s.deadline else s
+
+
+def done_training(s: State) -> list[int]:
+    """The ranks that have left session.run(): exited with code 0, or said so in their last heartbeat (their
+    last words, before the script's own code after run()). A rank leaves only once its last step is committed,
+    which needs every rank's snapshot of it: from then on training is complete on every rank."""
+    def left(proc: str) -> bool:
+        seen = s.live.get(proc)
+        return proc in s.finished or (seen is not None and seen.beat is not None
+                                      and seen.beat.phase == Progress.FINISHED)
+    return [r for r, proc in enumerate(s.plan.ranks) if left(proc)]
+
+
+def _failed_after_training(s: State, done: list[int], out: list[Effect]) -> State:
+    """A rank failed in the script's own code after session.run() (its final evaluation, its save): no rank
+    trains any more, so there is nothing to take over and no group to recover into. The ranks still running
+    that code finish it (rank 0 may be saving the model); then the job fails, saying why."""
+    failed = s.swap.failed if s.swap else ()
+    message = (f"{', '.join(f'{f.who} {f.exit}' for f in failed)} after ranks {done} had finished training: a "
+               f"failure in the script's code after session.run() is not recovered. Training is complete on every "
+               f"rank: its last step, {s.committed}, is committed.")
+    s = replace(s, phase=Phase.STEADY, deadline=float("inf"), swap=None, after_training=message)
+    running = [r for r, proc in enumerate(s.plan.ranks) if proc not in s.finished | s.lost]
+    if not running:
+        finalize_last(s, out)
+        return fail(s, message, out)
+    out.append(Say(f"{message} Ranks {running} are still running their own code after session.run(): the job "
+                   "ends when they do.", error=True))
+    return s
 
 
 def _begin_spare_wait(s: State, reason: str, now: float, out: list[Effect]) -> State:

@@ -269,3 +269,4 @@ class CoordinatorState:
     stopping_t: float | None = None     # SIGTERM arrived (or no spare is left): the job persists, then stops
     stop_failure: str | None = None     # stopping because the job cannot go on (no spare left): why
     last_try: bool = False              # stopping: the parts on disk are being assembled one last time
+    after_training: str | None = None   # a rank failed after training ended: the job's failure once the rest end

@@ -40,12 +40,17 @@ def publish(s: State, plan: Plan, out: list[Effect]) -> State:
 
 
 def end(s: State, out: list[Effect]) -> State:
-    """Every rank finished: the job is done. With a disk tier, each rank wrote its part of the last commit
-    as it finished (runtime/persist.py): it becomes a complete checkpoint before the job stops."""
-    if s.config.persist_dir and s.committed is not None and s.committed != s.persisted:
-        out.append(Finalize(s.committed, None, None, None))
+    """Every rank finished: the job is done."""
+    finalize_last(s, out)
     out += [Stop(Ending.DONE, grace_s=10.0), Emit("job_finished", dict(generation=s.plan.generation))]
     return replace(s, exit_code=0)
+
+
+def finalize_last(s: State, out: list[Effect]) -> None:
+    """As training ends: with a disk tier, each rank wrote its part of the last commit as it finished
+    (runtime/persist.py): it becomes a complete checkpoint before the job stops, if every part is there."""
+    if s.config.persist_dir and s.committed is not None and s.committed != s.persisted:
+        out.append(Finalize(s.committed, None, None, None))
 
 
 def terminated(s: State, out: list[Effect]) -> State:

@@ -4,10 +4,13 @@ It never seeds torch and draws its data in its set-up (`torch.randn`), as tutori
 the same data as the rank it replaced. It logs a `replaying` event for every step it runs while
 `session.replaying` is true. Usage: tiny.py --steps N [--mistake M] [--steps-of-rank1 N] [--log-loss]
 [--spare-set-up-fails] [--counter-in-attribute] [--seed-before-init N] [--seed-after-init N]
+[--rank1-dies-after-run]
 """
 
 import argparse
 import os
+import signal
+import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -24,6 +27,8 @@ parser.add_argument("--log-loss", action="store_true",
                     help="return nothing; session.log the loss instead, on odd steps only (even steps: no loss)")
 parser.add_argument("--seed-before-init", type=int, help="torch.manual_seed(N) before deadpool.init()")
 parser.add_argument("--seed-after-init", type=int, help="torch.manual_seed(N) after deadpool.init()")
+parser.add_argument("--rank1-dies-after-run", action="store_true",
+                    help="rank 1 is SIGKILLed 1 s after session.run() returns; rank 0 logs `after_run` 2 s after it")
 parser.add_argument("--counter-in-attribute", action="store_true",
                     help="the batch index lives in an attribute: not rolled back after a failure")
 args = parser.parse_args()
@@ -85,3 +90,8 @@ steps = args.steps_of_rank1 if args.steps_of_rank1 and session.rank == 1 else ar
 session.run(train_step_rebinding_an_object if args.mistake == "global_object" else train_step, steps=steps)
 if args.mistake == "run_twice":
     session.run(train_step, steps=steps + 2)
+if args.rank1_dies_after_run:  # the script's own code after training: a final evaluation, a save
+    time.sleep(1.0 if session.rank == 1 else 2.0)
+    if session.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    session.log("after_run", rank=session.rank)

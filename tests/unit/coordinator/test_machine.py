@@ -13,6 +13,7 @@ from deadpool.coordinator.state import (
     Emit,
     ExitReport,
     Fence,
+    Finalize,
     Hang,
     Heartbeat,
     Inputs,
@@ -130,6 +131,35 @@ def test_every_rank_finishing_ends_the_job():
     assert kinds(effects) == ["PublishStatus", "Stop", "job_finished"]
     assert effects[1] == Stop("done", grace_s=10.0) and s.exit_code == 0
     assert effects[0].status.outcome == "finished" and effects[0].status.exit_code == 0
+
+
+@pytest.mark.parametrize("persist_dir", ["", "ckpt"])
+def test_a_rank_failing_after_training_ended_is_not_replaced_and_the_job_fails_once_the_others_end(persist_dir):
+    """Rank 0 said it left session.run() (its last words: step 1 is committed on every rank), and rank 1 dies
+    before it says so (in its last commit wait, or in the script's own code after run()): nothing is planned (no
+    rank trains any more), rank 0 goes on with its own code (saving the model, say), and when it exits the job
+    fails, saying why (with a disk tier, after assembling the last checkpoint from the parts written)."""
+    s = started(replace(CONFIG, persist_dir=persist_dir))
+    s, _ = advance(s, replace(durable(s, 0, 1), beats={"w0": pulse(1, 4, phase="commit", waiting=True),
+                                                       "w1": pulse(1, 4, phase="commit", waiting=True)}), 1.0)
+    # rank 0's last words and rank 1's exit arrive in one tick
+    last_words = {"w0": pulse(1, 5, phase="finished"), "w1": pulse(1, 5, phase="commit", waiting=True)}
+    s, effects = advance(s, replace(killed("w1"), durable=durable(s, 0, 1).durable, beats=last_words), 2.0)
+    assert emitted(effects, "failure_detected") and s.phase is Phase.SETTLING
+    s, effects = advance(s, Inputs(), 2.5)
+    why = ("rank 1 (w1, pid 100) killed by SIGKILL after ranks [0] had finished training: a failure in the "
+           "script's code after session.run() is not recovered. Training is complete on every rank: its last step, "
+           "1, is committed.")
+    assert not [e for e in effects if isinstance(e, (PublishPlan, Spawn, Stop))] and s.exit_code is None
+    assert s.phase is Phase.STEADY and s.swap is None
+    assert [e.text for e in effects if type(e).__name__ == "Say"] == [
+        f"{why} Ranks [0] are still running their own code after session.run(): the job ends when they do."]
+    s, effects = advance(s, Inputs(beats=last_words), 60.0)  # rank 1 silent for a minute: not hung, but gone
+    assert not emitted(effects, "hang_detected") and s.exit_code is None
+    s, effects = advance(s, killed("w0", code=0), 61.0)
+    assert emitted(effects, "job_failed") == [{"reason": why, "root_cause": "rank 1 (w1, pid 100) killed by SIGKILL"}]
+    assert s.exit_code == 1
+    assert [e for e in effects if isinstance(e, Finalize)] == ([Finalize(1, None, None, None)] if persist_dir else [])
 
 
 # ---- a swap -------------------------------------------------------------------------------
