@@ -10,8 +10,9 @@ not in ours is not pinned down (our gradients stay in their buckets, so the step
 
 `keep_heap` raises both thresholds once per process: mappings only from 32 MiB (glibc's own ceiling for its
 dynamic threshold), trimming only once 1 GiB lies free at the top. A training process reaches its peak every
-step anyway; what it keeps between steps is at most that. A user who set any MALLOC_* tunable in the
-environment keeps glibc as told (that is the way to opt out), and a libc without `mallopt` is left alone.
+step anyway; what it keeps between steps is at most that. A user who set any MALLOC_* tunable (or
+GLIBC_TUNABLES) in the environment keeps glibc as told (that is the way to opt out), and a libc without
+`mallopt` is left alone.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import os
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
-USER_TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
 def keep_heap() -> str:
     """Raises glibc's mmap and trim thresholds for this process; returns what was done, for the events."""
-    told = [name for name in USER_TUNABLES if name in os.environ]
+    # MALLOC_ARENA_MAX_, MALLOC_TOP_PAD_, ... and GLIBC_TUNABLES (glibc.malloc.*): any says the user tunes glibc
+    told = sorted(name for name in os.environ if name.startswith("MALLOC_") or name == "GLIBC_TUNABLES")
     if told:
         return f"left as the environment sets it ({', '.join(told)})"
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)

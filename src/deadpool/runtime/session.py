@@ -32,7 +32,7 @@ from deadpool.runtime.member import Member
 from deadpool.runtime.persist import Persister
 from deadpool.runtime.recovery import Recovery, State
 from deadpool.runtime.sharded import ShardedModel, is_sharded
-from deadpool.runtime.state import Stateful, state_sha256
+from deadpool.runtime.state import Stateful, one_mesh, state_sha256
 from deadpool.runtime.terminate import on_termination
 from deadpool.runtime.watch import Beacon
 
@@ -216,6 +216,7 @@ class Session:
         except ConfigError as error:
             raise ConfigError(f"{error}. {train_step.__name__} rebinds it with nonlocal/global, so DeadPool "
                               "snapshots it: keep plain values there, or register the object instead") from None
+        one_mesh(member.tree)  # shards DeadPool could not restore are refused now, not at a recovery
         # Everything built so far (torch, the model, the data) lives as long as the run: freezing it keeps it
         # out of the gc.collect() in leave_group, which otherwise walks it all (0.2-0.4 s) while recovering.
         gc.freeze()

@@ -261,12 +261,17 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor], numpy_flags: list[bool
 
 
 def one_mesh(tree: dict[str, Stateful]) -> DeviceMesh | None:
-    """The device mesh the live state's shards live on (None: nothing is sharded). One mesh only: a
-    model sharded over several (2-D parallelism) is not supported yet."""
+    """The device mesh the live state's shards live on (None: nothing is sharded). One 1-D mesh only: a
+    model sharded over several, or over a mesh of two dimensions (HSDP, tensor parallelism), is not
+    supported yet (session.run refuses it at its start, not at a recovery)."""
     meshes = flatten(tree).meshes
     if len(meshes) > 1:
         raise ConfigError(f"the registered state is sharded over {len(meshes)} device meshes; DeadPool restores "
                           "shards onto one mesh (FSDP over the whole job) only")
+    if meshes and meshes[0].ndim != 1:
+        raise ConfigError(f"the registered state is sharded over a {meshes[0].ndim}-D device mesh "
+                          f"{tuple(meshes[0].shape)}; DeadPool restores shards onto a 1-D mesh (FSDP over the whole "
+                          "job) only: HSDP and tensor parallelism are not supported yet")
     return meshes[0] if meshes else None
 
 

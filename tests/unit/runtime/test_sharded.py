@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from deadpool.errors import ConfigError
 from deadpool.runtime.sharded import ShardedModel, is_sharded
 from deadpool.runtime.state import flatten, load_into, one_mesh, state_sha256, unflatten
 
@@ -107,3 +108,22 @@ def test_detach_before_the_first_forward_has_nothing_to_reset(group):
 def test_is_sharded_tells_fsdp_models_from_plain_ones(group):
     assert is_sharded(sharded_model())
     assert not is_sharded(torch.nn.Linear(2, 2))
+
+
+def test_a_state_sharded_over_a_2d_mesh_is_refused_naming_it(group):
+    """HSDP or tensor parallelism (a mesh of two dimensions): refused at session.run()'s start, in one line."""
+    class Held:
+        def __init__(self) -> None:
+            self.weight = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1, 1)), [Replicate(), Shard(0)])
+
+        def state_dict(self) -> dict:
+            return {"weight": self.weight}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.weight = state["weight"]
+
+    with pytest.raises(ConfigError, match=r"^the registered state is sharded over a 2-D device mesh \(1, 1\); DeadPool "
+                                          r"restores shards onto a 1-D mesh \(FSDP over the whole job\) only: HSDP and "
+                                          r"tensor parallelism are not supported yet$"):
+        one_mesh({"held": Held()})
+    assert one_mesh({"model": sharded_model()}) is not None
