@@ -27,7 +27,7 @@ TRIM_THRESHOLD = 1 << 30
 
 def keep_heap() -> str:
     """Raises glibc's mmap and trim thresholds for this process; returns what was done, for the events."""
-    # MALLOC_ARENA_MAX_, MALLOC_TOP_PAD_, ... and GLIBC_TUNABLES (glibc.malloc.*): any says the user tunes glibc
+    # MALLOC_ARENA_MAX, MALLOC_TOP_PAD_, ... and GLIBC_TUNABLES (glibc.malloc.*): any says the user tunes glibc
     told = sorted(name for name in os.environ if name.startswith("MALLOC_") or name == "GLIBC_TUNABLES")
     if told:
         return f"left as the environment sets it ({', '.join(told)})"
