@@ -66,6 +66,7 @@ class StepLoop:
         self.inputs = InputFingerprints()  # what the model was fed, step by step: a replay must be fed the same
         self.recovery: Recovery | None = None  # a spare's recovery into its rank, begun in init()
         self.fatal: BaseException | None = None  # the error this loop let through: it must stop the job
+        self.keep_compile_counted: Callable[[], None] = lambda: None  # set by run()
 
     @property
     def replaying(self) -> bool:
@@ -88,7 +89,7 @@ class StepLoop:
 
     def run(self, train_step: Callable[[int], Any], steps: int | None) -> None:
         """Runs steps until `steps` or an agreed stop, recovering from failures on the way."""
-        _count_compilation_as_waiting(self.member.progress, self.member.ctx.events)
+        self.keep_compile_counted = _count_compilation_as_waiting(self.member.progress, self.member.ctx.events)
         self.steps = steps
         cause = "joined in a later generation" if self.recovery is not None else self._attempt(self._begin)
         while cause or not (self.stopped or (steps is not None and self.member.step >= steps)):
@@ -175,6 +176,7 @@ class StepLoop:
         if member.watch is None or member.watch.aborted():
             raise GenerationAborted(f"generation {member.inc.generation} was aborted by the coordinator")
         step = member.step + 1
+        self.keep_compile_counted()
         self.point("step_start")
         self.stop_requested = False
         start, waited, replay = time.monotonic(), member.engine.wait_s, self.replaying
@@ -302,15 +304,12 @@ class StepLoop:
         return target is None
 
 
-def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:
+def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> Callable[[], None]:
     """torch.compile's first step can take minutes, one rank finishing before another: a rank compiling
     is marked as waiting, so the hang detector does not fence it (its heartbeat still shows it alive).
     Each compilation is logged: one on a spare after `spare_activated` means its warm-up did not match
-    training (TORCH_LOGS=recompiles says which guard failed)."""
-    if "torch._dynamo" not in sys.modules:  # imported by creating an optimizer, so present in practice
-        return
-    from torch._dynamo import callback
-
+    training (TORCH_LOGS=recompiles says which guard failed). Returns what keeps it so, for every step:
+    torch._dynamo.reset() drops every compile callback, and torch.compile may be loaded only later."""
     saved: list[tuple[str, bool, float]] = []
 
     def start(_: Any) -> None:
@@ -322,5 +321,11 @@ def _count_compilation_as_waiting(progress: Progress, events: EventLog) -> None:
             progress.phase, progress.waiting, started = saved.pop()
             events.emit("compiled", step=progress.step, duration_s=time.monotonic() - started)
 
-    callback.on_compile_start(start)
-    callback.on_compile_end(end)
+    def keep() -> None:
+        callback = sys.modules.get("torch._dynamo.callback")  # loaded with torch.compile (an optimizer loads it)
+        if callback is not None and start not in callback.callback_handler.start_callbacks:
+            callback.callback_handler.register_start_callback(start)
+            callback.callback_handler.register_end_callback(end)
+
+    keep()
+    return keep
