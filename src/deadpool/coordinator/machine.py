@@ -41,7 +41,7 @@ from deadpool.coordinator.policy import (
     initial_plan,
     node_map,
 )
-from deadpool.coordinator.pool import admit, await_spare, decide, refill
+from deadpool.coordinator.pool import admit, await_spare, decide, ended_after_training, refill, still_running
 from deadpool.coordinator.state import (
     CoordinatorState,
     Effect,
@@ -62,7 +62,6 @@ from deadpool.coordinator.transitions import (
     drop_joining,
     end,
     fail,
-    finalize_last,
     publish,
     refuse,
     terminated,
@@ -133,9 +132,8 @@ def on_exit(s: State, x: ExitReport, now: float, out: list[Effect]) -> State:
         if rank is None:
             return s
         s = replace(s, finished=s.finished | {x.name})
-        if s.after_training is not None and s.finished | s.lost >= set(s.plan.ranks):
-            finalize_last(s, out)
-            return fail(s, s.after_training, out)
+        if s.after_training is not None and not still_running(s):
+            return ended_after_training(s, out)
         return end(s, out) if s.finished >= set(s.plan.ranks) else s
     if verdict.value == SCRIPT_ERROR:
         return _script_error(s, x, verdict.reason, out)

@@ -125,13 +125,24 @@ def _failed_after_training(s: State, done: list[int], out: list[Effect]) -> Stat
                f"failure in the script's code after session.run() is not recovered. Training is complete on every "
                f"rank: its last step, {s.committed}, is committed.")
     s = replace(s, phase=Phase.STEADY, deadline=float("inf"), swap=None, after_training=message)
-    running = [r for r, proc in enumerate(s.plan.ranks) if proc not in s.finished | s.lost]
+    running = still_running(s)
     if not running:
-        finalize_last(s, out)
-        return fail(s, message, out)
+        return ended_after_training(s, out)
     out.append(Say(f"{message} Ranks {running} are still running their own code after session.run(): the job "
                    "ends when they do.", error=True))
     return s
+
+
+def still_running(s: State) -> list[int]:
+    """The ranks that neither finished (exit 0) nor were lost: what a job with a failure after training waits for."""
+    return [r for r, proc in enumerate(s.plan.ranks) if proc not in s.finished | s.lost]
+
+
+def ended_after_training(s: State, out: list[Effect]) -> State:
+    """No rank runs any more after a failure past training: the last checkpoint is assembled, the job fails."""
+    assert s.after_training is not None
+    finalize_last(s, out)
+    return fail(s, s.after_training, out)
 
 
 def _begin_spare_wait(s: State, reason: str, now: float, out: list[Effect]) -> State:
